@@ -1,6 +1,13 @@
 //! mssql-cdc: SQL Server change data capture replicated into Delta Lake, as a
 //! durable workflow of idempotent steps. See docs/ARCHITECTURE.md for the map.
 
+pub mod cli;
+pub mod delta;
+pub mod demo;
+pub mod engine;
+pub mod error;
 pub mod lsn;
+pub mod sim;
 pub mod source;
 pub mod types;
+pub mod workflow;

@@ -592,7 +592,9 @@ fn push_value(b: &mut ColBuilder, v: &SqlValue) -> bool {
         (ColBuilder::F32(b), V::Float(x)) => b.append_value(*x as f32),
         (ColBuilder::Str(b, _), V::Null) => b.append_null(),
         (ColBuilder::Str(b, StrKind::Text), V::Str(s)) => b.append_value(s),
-        (ColBuilder::Str(b, StrKind::Time), V::Time(t)) => b.append_value(t.format("%H:%M:%S%.7f").to_string()),
+        (ColBuilder::Str(b, StrKind::Time), V::Time(t)) => {
+            b.append_value(format!("{}.{:07}", t.format("%H:%M:%S"), (t.nanosecond() % 1_000_000_000) / 100))
+        }
         (ColBuilder::Str(b, StrKind::Guid), V::Guid(g)) => b.append_value(g.to_string().to_uppercase()),
         (ColBuilder::Str(b, StrKind::Guid), V::Str(s)) => match Uuid::parse_str(s) {
             Ok(g) => b.append_value(g.to_string().to_uppercase()),

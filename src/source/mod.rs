@@ -496,3 +496,14 @@ impl fmt::Debug for SourceSecrets {
         f.write_str(if self.password.is_some() { "SourceSecrets(password: <redacted>)" } else { "SourceSecrets(none)" })
     }
 }
+
+/// Opens the source a workflow's URL names: `sim://PATH` or `mssql://…` (or an ADO string).
+pub async fn open(url: &str, secrets: SourceSecrets) -> Result<SharedSource, SourceError> {
+    if let Some(path) = url.strip_prefix("sim://") {
+        return Ok(Arc::new(crate::sim::SimSource::open(std::path::Path::new(path))?));
+    }
+    if url.starts_with("mssql://") || url.contains('=') {
+        return Ok(Arc::new(crate::mssql::MssqlSource::connect(url, secrets).await?));
+    }
+    Err(SourceError::Config(format!("'{url}' is not a source URL: use sim://PATH or mssql://USER@HOST:PORT/DATABASE")))
+}

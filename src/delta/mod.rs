@@ -1,0 +1,480 @@
+//! The Delta layer: table kinds, their typed and commented schemas, versioned
+//! migrations, and the one idempotent append every step commits through.
+//!
+//! Architecture invariant: every commit a step makes goes through
+//! [`append_idempotent`], which writes the data, a Delta `txn` action
+//! (app id + version) and the commit metadata in ONE commit, after checking
+//! whether the table already holds that txn version. A rerun of a step that
+//! crashed after a commit therefore finds "already applied" and moves on; one
+//! that crashed before it commits normally. No other state exists: position,
+//! generations and snapshots are all read back from these tables.
+
+pub mod bronze;
+pub mod facts;
+pub mod golden;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use deltalake::arrow::datatypes::SchemaRef;
+use deltalake::arrow::record_batch::RecordBatch;
+use deltalake::datafusion::prelude::SessionContext;
+use deltalake::kernel::engine::arrow_conversion::TryIntoKernel;
+use deltalake::kernel::transaction::CommitProperties;
+use deltalake::kernel::{StructField, StructType, Transaction};
+use deltalake::writer::{DeltaWriter, RecordBatchWriter};
+use deltalake::DeltaTable;
+use futures::StreamExt;
+use serde_json::{json, Value};
+use url::Url;
+
+use crate::error::{StepError, StepResult};
+
+/// Table property naming the kind of a table this program created.
+pub const PROP_KIND: &str = "mssql_cdc.kind";
+/// Table property holding the schema version (the last migration applied).
+pub const PROP_SCHEMA_VERSION: &str = "mssql_cdc.schemaVersion";
+
+/// The kinds of table this program writes. Each has its own schema and migrations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableKind {
+    Bronze,
+    Facts,
+}
+
+impl TableKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            TableKind::Bronze => "bronze",
+            TableKind::Facts => "facts",
+        }
+    }
+
+    /// The migrations of this kind, in order. Migration 1 is the table as
+    /// created; a later one changes an existing table (adds columns, rewrites
+    /// comments) and is applied when the table is next opened.
+    pub fn migrations(self) -> &'static [Migration] {
+        match self {
+            TableKind::Bronze => bronze::MIGRATIONS,
+            TableKind::Facts => facts::MIGRATIONS,
+        }
+    }
+
+    /// The schema version this release writes.
+    pub fn current_version(self) -> u32 {
+        self.migrations().last().map(|m| m.version).unwrap_or(1)
+    }
+}
+
+/// One step of a table kind's schema history.
+#[derive(Debug)]
+pub struct Migration {
+    pub version: u32,
+    pub description: &'static str,
+    /// Columns this migration adds (name, comment); the schema itself comes from
+    /// the kind's current schema, so the column's type is looked up there.
+    pub adds_columns: &'static [&'static str],
+}
+
+/// Turns a path or URI into the URL deltalake opens. Local paths become
+/// `file://` URLs (the folder is created when needed); cloud URIs need the
+/// `cloud` build feature.
+pub fn table_url(location: &str) -> StepResult<Url> {
+    if location.contains("://") {
+        let url = Url::parse(location)
+            .map_err(|e| StepError::Config(format!("'{location}' is not a valid table URI: {e}")))?;
+        match url.scheme() {
+            "file" | "memory" => {}
+            "s3" | "s3a" | "abfss" | "abfs" | "az" | "adl" | "azure" | "gs" => {
+                if !cfg!(feature = "cloud") {
+                    return Err(StepError::Config(format!(
+                        "'{location}' needs the object-store support of the `cloud` build feature: \
+                         build with `cargo build --release --features cloud`"
+                    )));
+                }
+            }
+            other => {
+                return Err(StepError::Config(format!(
+                    "'{location}': the scheme '{other}' is not supported; use a path, file://, s3://, abfss:// or gs://"
+                )))
+            }
+        }
+        Ok(url)
+    } else {
+        let path = std::path::Path::new(location);
+        std::fs::create_dir_all(path)
+            .map_err(|e| StepError::Config(format!("cannot create the table folder {location}: {e}")))?;
+        deltalake::ensure_table_uri(location)
+            .map_err(|e| StepError::Config(format!("'{location}' is not a usable table path: {e}")))
+    }
+}
+
+/// Opens the Delta table at `location`, or returns None when nothing is there
+/// yet. A location holding files that are not a Delta table is a `Config`
+/// error: we never write into someone else's folder.
+pub async fn open_existing(location: &str, storage: &HashMap<String, String>) -> StepResult<Option<DeltaTable>> {
+    let url = table_url(location)?;
+    let mut table = deltalake::DeltaTableBuilder::from_url(url.clone())
+        .map_err(StepError::delta(location))?
+        .with_storage_options(storage.clone())
+        .build()
+        .map_err(StepError::delta(location))?;
+    match table.load().await {
+        Ok(()) => Ok(Some(table)),
+        Err(deltalake::DeltaTableError::NotATable(_)) | Err(deltalake::DeltaTableError::InvalidTableLocation(_)) => {
+            // No log: the location must be empty for us to create a table there.
+            let store = table.object_store();
+            let mut listing = store.list(None);
+            if let Some(first) = listing.next().await {
+                let what = match first {
+                    Ok(meta) => meta.location.to_string(),
+                    Err(e) => return Err(StepError::Temporary(format!("cannot list {location}: {e}"))),
+                };
+                return Err(StepError::Config(format!(
+                    "{location} is not a Delta table but holds other files (for example '{what}'): \
+                     point the workflow at an empty folder or an existing Delta table"
+                )));
+            }
+            Ok(None)
+        }
+        Err(e) => Err(StepError::delta(location)(e)),
+    }
+}
+
+/// Checks that an existing table is of the expected kind and migrates it to
+/// this release's schema version.
+pub async fn check_kind_and_migrate(table: &mut DeltaTable, location: &str, kind: TableKind, schema: &SchemaRef) -> StepResult<()> {
+    let config = table.snapshot().map_err(StepError::delta(location))?.metadata().configuration().clone();
+    let found_kind = config.get(PROP_KIND).cloned();
+    if found_kind.as_deref() != Some(kind.name()) {
+        return Err(StepError::Config(format!(
+            "{location} is a Delta table, but not a {} table of mssql-cdc (its {PROP_KIND} is {}): \
+             point target.{} at a table this program created, or at an empty folder",
+            kind.name(),
+            found_kind.map(|k| format!("'{k}'")).unwrap_or_else(|| "not set".into()),
+            kind.name()
+        )));
+    }
+    let version: u32 = config.get(PROP_SCHEMA_VERSION).and_then(|v| v.parse().ok()).unwrap_or(1);
+    let current = kind.current_version();
+    if version > current {
+        return Err(StepError::Config(format!(
+            "{location} has {} schema version {version}, newer than this release knows ({current}): upgrade mssql-cdc",
+            kind.name()
+        )));
+    }
+    if version < current {
+        migrate(table, location, kind, version, schema).await?;
+    }
+    Ok(())
+}
+
+/// Applies the migrations after `from` to an existing table.
+async fn migrate(table: &mut DeltaTable, location: &str, kind: TableKind, from: u32, schema: &SchemaRef) -> StepResult<()> {
+    for m in kind.migrations().iter().filter(|m| m.version > from) {
+        tracing::info!(table = location, kind = kind.name(), version = m.version, "migrating: {}", m.description);
+        if !m.adds_columns.is_empty() {
+            let existing: Vec<String> = table
+                .snapshot()
+                .map_err(StepError::delta(location))?
+                .schema()
+                .fields()
+                .map(|f| f.name().to_string())
+                .collect();
+            let kernel = commented_schema(kind, schema)?;
+            let new_fields: Vec<StructField> = kernel
+                .fields()
+                .filter(|f| m.adds_columns.contains(&f.name().as_str()) && !existing.contains(f.name()))
+                .cloned()
+                .collect();
+            if !new_fields.is_empty() {
+                *table = table.clone().add_columns().with_fields(new_fields).await.map_err(StepError::delta(location))?;
+            }
+        }
+        let props = HashMap::from([(PROP_SCHEMA_VERSION.to_string(), m.version.to_string())]);
+        *table = table
+            .clone()
+            .set_tbl_properties()
+            .with_properties(props)
+            .with_raise_if_not_exists(false)
+            .await
+            .map_err(StepError::delta(location))?;
+    }
+    Ok(())
+}
+
+/// The kernel schema of an Arrow schema, with each column's comment from the
+/// kind's comment table.
+pub fn commented_schema(kind: TableKind, schema: &SchemaRef) -> StepResult<StructType> {
+    let kernel: StructType = schema
+        .as_ref()
+        .try_into_kernel()
+        .map_err(|e| StepError::Internal(format!("schema of the {} table does not convert: {e}", kind.name())))?;
+    let fields: Vec<StructField> = kernel
+        .fields()
+        .map(|f| {
+            let comment = match kind {
+                TableKind::Bronze => bronze::column_comment(f.name()),
+                TableKind::Facts => facts::column_comment(f.name()),
+            };
+            f.clone().with_metadata([("comment".to_string(), comment)])
+        })
+        .collect();
+    StructType::try_new(fields).map_err(|e| StepError::Internal(format!("schema: {e}")))
+}
+
+/// Opens the table of this kind at `location`, creating it (typed, commented,
+/// at the current schema version) when the location is empty.
+pub async fn open_or_create(
+    location: &str,
+    storage: &HashMap<String, String>,
+    kind: TableKind,
+    schema: &SchemaRef,
+    description: &str,
+) -> StepResult<DeltaTable> {
+    if let Some(mut table) = open_existing(location, storage).await? {
+        check_kind_and_migrate(&mut table, location, kind, schema).await?;
+        return Ok(table);
+    }
+    let url = table_url(location)?;
+    let table = deltalake::DeltaTableBuilder::from_url(url)
+        .map_err(StepError::delta(location))?
+        .with_storage_options(storage.clone())
+        .build()
+        .map_err(StepError::delta(location))?;
+    let kernel = commented_schema(kind, schema)?;
+    let props: HashMap<String, Option<String>> = HashMap::from([
+        (PROP_KIND.to_string(), Some(kind.name().to_string())),
+        (PROP_SCHEMA_VERSION.to_string(), Some(kind.current_version().to_string())),
+    ]);
+    let created = table
+        .create()
+        .with_columns(kernel.fields().cloned())
+        .with_comment(description)
+        .with_configuration(props)
+        .with_save_mode(deltalake::protocol::SaveMode::ErrorIfExists)
+        .await;
+    match created {
+        Ok(t) => Ok(t),
+        // Another process created it between our look and our create: use theirs.
+        Err(_) => match open_existing(location, storage).await? {
+            Some(mut t) => {
+                check_kind_and_migrate(&mut t, location, kind, schema).await?;
+                Ok(t)
+            }
+            None => Err(StepError::Temporary(format!("could not create the {} table at {location}", kind.name()))),
+        },
+    }
+}
+
+/// A Delta transaction id: the commit that holds it is applied at most once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Txn {
+    pub app_id: String,
+    pub version: i64,
+}
+
+impl Txn {
+    pub fn new(app_id: impl Into<String>, version: i64) -> Txn {
+        Txn { app_id: app_id.into(), version }
+    }
+}
+
+/// What [`append_idempotent`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Appended {
+    /// A new commit at this table version.
+    Committed { table_version: i64 },
+    /// The table already held this txn (version `found` >= the one asked).
+    AlreadyApplied { found: i64 },
+    /// There were no rows: nothing was committed and the txn is not recorded.
+    Empty,
+}
+
+impl Appended {
+    pub fn committed(&self) -> bool {
+        matches!(self, Appended::Committed { .. })
+    }
+}
+
+/// The newest version the table holds for a txn app id.
+pub async fn txn_version(table: &DeltaTable, app_id: &str) -> StepResult<Option<i64>> {
+    let snapshot = table.snapshot().map_err(StepError::delta(table.table_url().as_str()))?;
+    snapshot
+        .transaction_version(table.log_store().as_ref(), app_id)
+        .await
+        .map_err(StepError::delta(table.table_url().as_str()))
+}
+
+/// Appends batches in ONE commit that also carries `txn` and `metadata`, unless
+/// the table already holds that txn version. `metadata` lands in commitInfo
+/// under `mssql_cdc` and, as text, in `userMetadata`. Batches are written to
+/// files as they arrive, so memory stays bounded by one batch and the writer's
+/// buffer, not by the commit's size. With no rows nothing is committed
+/// ([`Appended::Empty`]): callers record such an outcome elsewhere (facts).
+pub async fn append_idempotent<S>(table: &mut DeltaTable, batches: S, schema: SchemaRef, txn: &Txn, metadata: Value) -> StepResult<Appended>
+where
+    S: futures::Stream<Item = StepResult<RecordBatch>> + Send,
+{
+    append_idempotent_with(table, batches, schema, txn, move || metadata).await
+}
+
+/// [`append_idempotent`] with metadata computed after the last batch was
+/// written (so it can name what only the data told: a row count).
+pub async fn append_idempotent_with<S, F>(table: &mut DeltaTable, batches: S, _schema: SchemaRef, txn: &Txn, metadata: F) -> StepResult<Appended>
+where
+    S: futures::Stream<Item = StepResult<RecordBatch>> + Send,
+    F: FnOnce() -> Value,
+{
+    let label = table.table_url().to_string();
+    table.update_state().await.map_err(StepError::delta(&label))?;
+    if let Some(found) = txn_version(table, &txn.app_id).await? {
+        if found >= txn.version {
+            return Ok(Appended::AlreadyApplied { found });
+        }
+    }
+    let mut writer = RecordBatchWriter::for_table(table).map_err(StepError::delta(&label))?;
+    let mut batches = std::pin::pin!(batches);
+    let mut rows = 0usize;
+    while let Some(batch) = batches.next().await {
+        let batch = batch?;
+        if batch.num_rows() > 0 {
+            rows += batch.num_rows();
+            writer.write(batch).await.map_err(StepError::delta(&label))?;
+        }
+    }
+    if rows == 0 {
+        return Ok(Appended::Empty);
+    }
+    let metadata = metadata();
+    let props = CommitProperties::default()
+        .with_metadata([
+            ("userMetadata".to_string(), json!(metadata.to_string())),
+            ("mssql_cdc".to_string(), metadata),
+        ])
+        .with_application_transaction(Transaction::new(&txn.app_id, txn.version));
+    let mut writer = writer.with_commit_properties(props);
+    match writer.flush_and_commit(table).await {
+        Ok(v) => Ok(Appended::Committed { table_version: v as i64 }),
+        Err(e) => {
+            // A concurrent writer may have committed the same txn first: then it is applied.
+            table.update_state().await.map_err(StepError::delta(&label))?;
+            if let Some(found) = txn_version(table, &txn.app_id).await? {
+                if found >= txn.version {
+                    return Ok(Appended::AlreadyApplied { found });
+                }
+            }
+            Err(StepError::delta(&label)(e))
+        }
+    }
+}
+
+/// Appends batches in one commit without a txn: for rows written once per
+/// attempt by design (a full snapshot's open row), never for a step's effect.
+pub async fn append_untracked(table: &mut DeltaTable, batches: Vec<RecordBatch>, metadata: Value) -> StepResult<()> {
+    let label = table.table_url().to_string();
+    table.update_state().await.map_err(StepError::delta(&label))?;
+    let props = CommitProperties::default().with_metadata([
+        ("userMetadata".to_string(), json!(metadata.to_string())),
+        ("mssql_cdc".to_string(), metadata.clone()),
+    ]);
+    let mut writer = RecordBatchWriter::for_table(table).map_err(StepError::delta(&label))?.with_commit_properties(props);
+    for b in batches {
+        writer.write(b).await.map_err(StepError::delta(&label))?;
+    }
+    writer.flush_and_commit(table).await.map_err(StepError::delta(&label))?;
+    Ok(())
+}
+
+/// Appends batches held in memory (see [`append_idempotent`]).
+pub async fn append_batches(table: &mut DeltaTable, batches: Vec<RecordBatch>, schema: SchemaRef, txn: &Txn, metadata: Value) -> StepResult<Appended> {
+    append_idempotent(table, futures::stream::iter(batches.into_iter().map(Ok)), schema, txn, metadata).await
+}
+
+/// Runs a SQL query over the table (registered as `t`) and collects the result.
+pub async fn query(table: &DeltaTable, sql: &str) -> StepResult<Vec<RecordBatch>> {
+    let ctx = session_for(table).await?;
+    let label = table.table_url().to_string();
+    let df = ctx.sql(sql).await.map_err(|e| StepError::Internal(format!("query on {label} failed to plan: {e}\n{sql}")))?;
+    df.collect().await.map_err(|e| StepError::Temporary(format!("query on {label} failed: {e}")))
+}
+
+/// Runs a SQL query over the table (registered as `t`) as a stream of batches.
+pub async fn query_stream(
+    table: &DeltaTable,
+    sql: &str,
+) -> StepResult<deltalake::datafusion::physical_plan::SendableRecordBatchStream> {
+    let ctx = session_for(table).await?;
+    let label = table.table_url().to_string();
+    let df = ctx.sql(sql).await.map_err(|e| StepError::Internal(format!("query on {label} failed to plan: {e}\n{sql}")))?;
+    df.execute_stream().await.map_err(|e| StepError::Temporary(format!("query on {label} failed: {e}")))
+}
+
+async fn session_for(table: &DeltaTable) -> StepResult<SessionContext> {
+    let label = table.table_url().to_string();
+    let ctx = deltalake::delta_datafusion::create_session().into_inner();
+    table.update_datafusion_session(&ctx.state()).map_err(StepError::delta(&label))?;
+    let provider = table.table_provider().await.map_err(|e| StepError::Internal(format!("table provider for {label}: {e}")))?;
+    ctx.register_table("t", provider).map_err(|e| StepError::Internal(format!("register {label}: {e}")))?;
+    Ok(ctx)
+}
+
+/// Quotes a string literal for the SQL of [`query`].
+pub fn sql_str(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// The commit metadata (`mssql_cdc` of commitInfo) of one table version, if
+/// that commit is still in the log.
+pub async fn commit_metadata(table: &DeltaTable, version: i64) -> StepResult<Option<Value>> {
+    let label = table.table_url().to_string();
+    let bytes = match table.log_store().read_commit_entry(version as u64).await.map_err(StepError::delta(&label))? {
+        Some(b) => b,
+        None => return Ok(None),
+    };
+    for line in bytes.split(|b| *b == b'\n') {
+        if line.is_empty() {
+            continue;
+        }
+        let v: Value = serde_json::from_slice(line).map_err(|e| StepError::Internal(format!("commit {version} of {label}: {e}")))?;
+        if let Some(ci) = v.get("commitInfo") {
+            return Ok(ci.get("mssql_cdc").cloned());
+        }
+    }
+    Ok(None)
+}
+
+/// The table version whose commit carries this txn (newest first search).
+pub async fn find_txn_commit(table: &DeltaTable, txn: &Txn) -> StepResult<Option<(i64, Value)>> {
+    let label = table.table_url().to_string();
+    let mut v = table.version().map(|v| v as i64).unwrap_or(-1);
+    while v >= 0 {
+        let bytes = match table.log_store().read_commit_entry(v as u64).await.map_err(StepError::delta(&label))? {
+            Some(b) => b,
+            None => break, // older commits were cleaned up
+        };
+        let mut found = false;
+        let mut meta = Value::Null;
+        for line in bytes.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+            let a: Value = serde_json::from_slice(line).map_err(|e| StepError::Internal(format!("commit {v} of {label}: {e}")))?;
+            if let Some(t) = a.get("txn") {
+                if t.get("appId").and_then(Value::as_str) == Some(txn.app_id.as_str())
+                    && t.get("version").and_then(Value::as_i64) == Some(txn.version)
+                {
+                    found = true;
+                }
+            }
+            if let Some(ci) = a.get("commitInfo") {
+                meta = ci.get("mssql_cdc").cloned().unwrap_or(Value::Null);
+            }
+        }
+        if found {
+            return Ok(Some((v, meta)));
+        }
+        v -= 1;
+    }
+    Ok(None)
+}
+
+/// A shared, reference-counted schema.
+pub type Schema = Arc<deltalake::arrow::datatypes::Schema>;

@@ -1,0 +1,240 @@
+//! `mssql-cdc demo`: scenarios run end to end on the embedded simulator.
+//!
+//! One harness ([`Harness`]) makes a simulated database with a table and a
+//! writer, writes the workflow files, and calls the same steps an
+//! orchestrator would; each scenario is a sequence of those calls ending in
+//! a check of bronze against the source. The last stdout line is the
+//! scenario's JSON; the command exits 0 only when `differences` is 0.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::engine::{self, rebuild, Context};
+use crate::error::{StepError, StepResult};
+use crate::sim::{self, Clock, SimConfig, SimDb};
+use crate::source::TableName;
+use crate::workflow::Workflow;
+
+/// The scenarios `demo` can run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoScenario {
+    /// A full bootstrap under a running writer, then micro-batches, then a check.
+    Full,
+}
+
+/// Arguments of `mssql-cdc demo`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DemoArgs {
+    /// Rows in the demo table before CDC is enabled.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub rows: u64,
+    /// Folder for the simulated database, the workflow file and the Delta tables
+    /// (replaced when it holds an earlier demo; refused when it holds anything else).
+    #[arg(long, default_value = "demo-out")]
+    pub dir: PathBuf,
+    #[arg(long, value_enum, default_value_t = DemoScenario::Full)]
+    pub scenario: DemoScenario,
+    /// Seconds of streaming while the writer runs, after the bootstrap.
+    #[arg(long, default_value_t = 15)]
+    pub stream_seconds: u64,
+    /// The writer's transactions per second.
+    #[arg(long, default_value_t = 200.0)]
+    pub writer_tx_per_s: f64,
+    /// Seed of the table's rows and of the writer.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+}
+
+const MARKER: &str = ".mssql-cdc-demo";
+
+/// The demo's world: a simulated database, a writer, workflow files.
+pub struct Harness {
+    pub dir: PathBuf,
+    pub db: SimDb,
+    pub table: TableName,
+    pub workflow_path: PathBuf,
+    writer: Option<(std::thread::JoinHandle<Result<sim::WorkloadReport, sim::SimError>>, Arc<AtomicBool>)>,
+    progress: indicatif::ProgressBar,
+}
+
+impl Harness {
+    /// Prepares `dir` and creates the simulated database with `rows` orders.
+    pub fn create(dir: &Path, rows: u64, seed: u64) -> StepResult<Harness> {
+        prepare_dir(dir)?;
+        let cfg = SimConfig {
+            clock: Clock::Wall,
+            time_zone: "America/Sao_Paulo".into(),
+            capture_lag_ms: 300,
+            seed,
+            ..SimConfig::default()
+        };
+        let sim_err = |e: sim::SimError| StepError::Internal(format!("simulator: {e}"));
+        let db = SimDb::create(&dir.join("source.sqlite"), cfg).map_err(sim_err)?;
+        let table = TableName::new("dbo", "orders");
+        db.create_table(&sim::orders_table_spec(table.clone())).map_err(sim_err)?;
+        db.load_rows(&table, sim::orders_rows(rows, seed)).map_err(sim_err)?;
+        db.enable_cdc(&table, None, None).map_err(sim_err)?;
+        let progress = indicatif::ProgressBar::new_spinner();
+        progress.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+        Ok(Harness { dir: dir.to_path_buf(), db, table, workflow_path: dir.join("orders.toml"), writer: None, progress })
+    }
+
+    /// Writes the workflow file with these extra `[snapshot]` settings.
+    pub fn write_workflow(&self, snapshot_toml: &str) -> StepResult<()> {
+        let text = format!(
+            "# Written by `mssql-cdc demo`.\napp_id = \"orders-demo\"\n\n[source]\nurl = \"sim://source.sqlite\"\n\n\
+             [table]\nschema = \"dbo\"\nname = \"orders\"\n\n[target]\nbronze = \"bronze/orders\"\nfacts = \"facts\"\n\n\
+             [stream]\nmax_batch_rows = 20000\n\n[snapshot]\n{snapshot_toml}\n"
+        );
+        std::fs::write(&self.workflow_path, text).map_err(|e| StepError::Config(format!("cannot write {}: {e}", self.workflow_path.display())))
+    }
+
+    /// Starts the writer on a thread.
+    pub fn start_writer(&mut self, tx_per_s: f64, seed: u64) {
+        let stop = Arc::new(AtomicBool::new(false));
+        let db = SimDb::open(self.db.path()).expect("the demo database opens");
+        let table = self.table.clone();
+        let s2 = stop.clone();
+        let handle = std::thread::spawn(move || {
+            let w = sim::Workload { tx_per_s, ops_per_tx: 3, seed, ..sim::Workload::default() };
+            w.run(&db, &table, sim::Until::Deadline(Instant::now() + Duration::from_secs(24 * 3600)), s2)
+        });
+        self.writer = Some((handle, stop));
+    }
+
+    /// Stops the writer and waits for it.
+    pub fn stop_writer(&mut self) -> StepResult<sim::WorkloadReport> {
+        let Some((h, stop)) = self.writer.take() else { return Ok(sim::WorkloadReport::default()) };
+        stop.store(true, Ordering::SeqCst);
+        h.join()
+            .map_err(|_| StepError::Internal("the writer thread panicked".into()))?
+            .map_err(|e| StepError::Internal(format!("writer: {e}")))
+    }
+
+    pub fn workflow(&self) -> StepResult<Workflow> {
+        Workflow::load(&self.workflow_path)
+    }
+
+    /// One `stream` call, as an orchestrator makes it.
+    pub async fn stream(&self) -> StepResult<engine::stream::StreamResult> {
+        let mut ctx = Context::open(self.workflow()?).await?;
+        engine::stream::run(&mut ctx).await
+    }
+
+    /// Rebuilds the latest image per key from bronze and compares it with the table now.
+    pub async fn verify(&self) -> StepResult<rebuild::Comparison> {
+        let mut ctx = Context::open(self.workflow()?).await?;
+        let st = engine::state::load(&mut ctx).await?;
+        let keys = ctx.snapshot_keys();
+        let image = rebuild::rebuild(&ctx.bronze, &ctx.instance.columns, &keys, st.snapshot).await?;
+        rebuild::compare_with_source(ctx.source.as_ref(), &self.table, &ctx.instance.columns, &keys, &image).await
+    }
+
+    pub fn say(&self, msg: impl Into<std::borrow::Cow<'static, str>>) {
+        self.progress.set_message(msg);
+        self.progress.tick();
+    }
+}
+
+/// Empties a folder of an earlier demo, refuses one holding anything else.
+fn prepare_dir(dir: &Path) -> StepResult<()> {
+    if dir.exists() {
+        let empty = std::fs::read_dir(dir).map(|mut d| d.next().is_none()).unwrap_or(false);
+        if !empty {
+            if !dir.join(MARKER).exists() {
+                return Err(StepError::Config(format!(
+                    "{} holds files that are not an earlier demo's: pass another --dir",
+                    dir.display()
+                )));
+            }
+            std::fs::remove_dir_all(dir).map_err(|e| StepError::Config(format!("cannot clear {}: {e}", dir.display())))?;
+        }
+    }
+    std::fs::create_dir_all(dir).map_err(|e| StepError::Config(format!("cannot create {}: {e}", dir.display())))?;
+    std::fs::write(dir.join(MARKER), "a folder made by `mssql-cdc demo`; the next demo run replaces it\n")
+        .map_err(|e| StepError::Config(format!("cannot write in {}: {e}", dir.display())))?;
+    Ok(())
+}
+
+/// Runs the scenario; returns its JSON and whether it passed.
+pub async fn run(args: DemoArgs) -> StepResult<(Value, bool)> {
+    match args.scenario {
+        DemoScenario::Full => full(args).await,
+    }
+}
+
+async fn full(args: DemoArgs) -> StepResult<(Value, bool)> {
+    let t0 = Instant::now();
+    let dir = std::path::absolute(&args.dir).unwrap_or(args.dir.clone());
+    let mut h = Harness::create(&dir, args.rows, args.seed)?;
+    let create_s = t0.elapsed().as_secs_f64();
+    h.write_workflow("bootstrap = true\nmode = \"full\"\nparallelism = 4")?;
+    h.progress.enable_steady_tick(Duration::from_millis(200));
+    h.say(format!("created a simulated dbo.orders with {} rows in {create_s:.1}s; writer starting", args.rows));
+    h.start_writer(args.writer_tx_per_s, args.seed);
+
+    let t_boot = Instant::now();
+    h.say("bootstrap: reading the table at S over 4 connections");
+    let mut ctx = Context::open(h.workflow()?).await?;
+    let boot = engine::snapshot::ensure_bootstrap(&mut ctx).await?;
+    drop(ctx);
+    let bootstrap_s = t_boot.elapsed().as_secs_f64();
+
+    let t_stream = Instant::now();
+    let (mut batches, mut streamed) = (0u32, 0i64);
+    while t_stream.elapsed() < Duration::from_secs(args.stream_seconds) {
+        let r = h.stream().await?;
+        batches += r.batches;
+        streamed += r.rows;
+        h.say(format!("streaming: {batches} batches, {streamed} change rows, position {}", r.position.map(|p| p.to_string()).unwrap_or_default()));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let writer = h.stop_writer()?;
+    h.say("writer stopped; catching up");
+    // Let the capture job harvest the writer's last transactions, then read to the end.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    h.db.capture().map_err(|e| StepError::Internal(format!("capture: {e}")))?;
+    for _ in 0..100 {
+        let r = h.stream().await?;
+        batches += r.batches;
+        streamed += r.rows;
+        let done = r.caught_up && match (r.position, writer.last_commit_lsn) {
+            (Some(p), Some(w)) => p >= w,
+            _ => true,
+        };
+        if done {
+            break;
+        }
+    }
+    let stream_s = t_stream.elapsed().as_secs_f64();
+    h.say("verifying: rebuilding the latest image per key from bronze");
+    let t_verify = Instant::now();
+    let cmp = h.verify().await?;
+    let verify_s = t_verify.elapsed().as_secs_f64();
+    h.progress.finish_and_clear();
+    let differences = cmp.differences();
+    let out = json!({
+        "scenario": "full",
+        "rows_source": cmp.rows_source,
+        "rows_target": cmp.rows_target,
+        "differences": differences,
+        "missing_in_target": cmp.missing_in_target,
+        "extra_in_target": cmp.extra_in_target,
+        "different": cmp.different,
+        "samples": cmp.samples,
+        "batches": batches,
+        "change_rows_streamed": streamed,
+        "bootstrap_rows": boot.rows,
+        "bootstrap_lsn": boot.snapshot_lsn,
+        "writer": writer,
+        "seconds": {"create": create_s, "bootstrap": bootstrap_s, "stream": stream_s, "verify": verify_s, "total": t0.elapsed().as_secs_f64()},
+        "bootstrap_rows_per_s": if bootstrap_s > 0.0 { boot.rows as f64 / bootstrap_s } else { 0.0 },
+        "dir": dir,
+        "workflow": h.workflow_path,
+    });
+    Ok((out, differences == 0))
+}

@@ -1,0 +1,186 @@
+//! The workflow engine: one module per step, each a transition that loads
+//! state from Delta, decides with a pure function, and commits.
+//!
+//! Architecture invariant: a step holds no state between calls. Everything
+//! it needs to resume (position, generation, open snapshot) is read back from
+//! the bronze and facts tables at its start, and each commit it makes carries
+//! the txn id that turns its rerun into a no-op. So any step may crash at any
+//! point and be called again; the failpoints in [`FAILPOINTS`] sit at every
+//! commit boundary and the crash drill proves it.
+
+pub mod rebuild;
+pub mod snapshot;
+pub mod state;
+pub mod status;
+pub mod stream;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use deltalake::DeltaTable;
+
+use crate::delta::{self, TableKind};
+use crate::error::{StepError, StepResult};
+use crate::source::{CaptureInstance, ServerZone, SharedSource, SourceSecrets, TableInfo};
+use crate::workflow::Workflow;
+
+/// Every failpoint, in the order a bootstrap and a batch pass them. Set one
+/// with `FAILPOINTS=name=return` (the step fails as if it crashed there) or
+/// `FAILPOINTS=name=return(abort)` (the process aborts there, like a kill).
+pub const FAILPOINTS: &[&str] = &[
+    "snapshot.after_open",
+    "snapshot.after_bronze",
+    "snapshot.after_event",
+    "stream.after_start",
+    "stream.after_bronze",
+    "stream.after_facts",
+];
+
+/// A failpoint: in tests and crash drills, fails the step here (`return`) or
+/// aborts the process (`return(abort)`); otherwise does nothing.
+#[macro_export]
+macro_rules! failpoint {
+    ($name:expr) => {
+        fail::fail_point!($name, |arg: Option<String>| {
+            if arg.as_deref() == Some("abort") {
+                eprintln!("failpoint {} aborting the process", $name);
+                std::process::abort();
+            }
+            Err($crate::error::StepError::Injected($name.to_string()))
+        });
+    };
+}
+
+/// The app id of a stream generation: the configured one for generation 0,
+/// `<app_id>.g<n>` after (a new generation restarts batch ids at 0, and Delta
+/// txn versions must only grow).
+pub fn generation_app_id(app_id: &str, generation: i32) -> String {
+    if generation == 0 {
+        app_id.to_string()
+    } else {
+        format!("{app_id}.g{generation}")
+    }
+}
+
+/// Everything a step works with, opened and validated.
+pub struct Context {
+    pub workflow: Workflow,
+    pub source: SharedSource,
+    pub zone: ServerZone,
+    pub table: TableInfo,
+    pub instance: CaptureInstance,
+    pub bronze: DeltaTable,
+    pub facts: DeltaTable,
+    pub storage: HashMap<String, String>,
+}
+
+impl Context {
+    /// Opens the source and the targets and checks the configuration against
+    /// them. Every problem is found here, before anything is written: a
+    /// missing table, a table without CDC, an unknown capture instance, a
+    /// target folder that holds something else.
+    pub async fn open(workflow: Workflow) -> StepResult<Context> {
+        let storage = workflow.storage_options()?;
+        let secrets = read_secrets(&workflow)?;
+        let source = crate::source::open(&workflow.source.url, secrets).await?;
+        let table_name = workflow.table_name();
+        let table = source.table_info(&table_name).await?;
+        let instances = source.capture_instances(&table_name).await?;
+        if instances.is_empty() {
+            return Err(StepError::Config(format!(
+                "change data capture is not enabled on {table_name} ({}): enable it with sys.sp_cdc_enable_table \
+                 (or `mssql-cdc sim alter --enable-instance` on the simulator)",
+                source.describe()
+            )));
+        }
+        let instance = match &workflow.table.capture_instance {
+            Some(name) => instances.iter().find(|c| c.name.eq_ignore_ascii_case(name)).cloned().ok_or_else(|| {
+                StepError::Config(format!(
+                    "capture instance '{name}' does not exist on {table_name}; it has: {}. Fix table.capture_instance in {}",
+                    instances.iter().map(|c| c.name.as_str()).collect::<Vec<_>>().join(", "),
+                    workflow.path.display()
+                ))
+            })?,
+            None => instances.last().cloned().expect("non-empty"),
+        };
+        if let Some(keys) = &workflow.snapshot.keys {
+            for k in keys {
+                if instance.column(k).is_none() {
+                    return Err(StepError::Config(format!(
+                        "snapshot.keys names '{k}', which capture instance '{}' does not capture",
+                        instance.name
+                    )));
+                }
+            }
+        }
+        let zone = source.server_time_zone().await?;
+        // Look at both targets before creating either, so a bad one writes nothing.
+        let bronze_existing = delta::open_existing(&workflow.target.bronze, &storage).await?;
+        let facts_existing = delta::open_existing(&workflow.target.facts, &storage).await?;
+        let bronze_schema = delta::bronze::schema(&instance.columns);
+        let facts_schema = delta::facts::schema();
+        if let Some(mut b) = bronze_existing {
+            delta::check_kind_and_migrate(&mut b, &workflow.target.bronze, TableKind::Bronze, &bronze_schema).await?;
+        }
+        if let Some(mut f) = facts_existing {
+            delta::check_kind_and_migrate(&mut f, &workflow.target.facts, TableKind::Facts, &facts_schema).await?;
+        }
+        let bronze = delta::open_or_create(
+            &workflow.target.bronze,
+            &storage,
+            TableKind::Bronze,
+            &bronze_schema,
+            &format!("mssql-cdc bronze of {table_name}: CDC change rows and snapshot rows"),
+        )
+        .await?;
+        let facts = delta::open_or_create(
+            &workflow.target.facts,
+            &storage,
+            TableKind::Facts,
+            &facts_schema,
+            "mssql-cdc facts: a row per micro-batch and per event",
+        )
+        .await?;
+        Ok(Context { workflow, source, zone, table, instance, bronze, facts, storage })
+    }
+
+    /// The bronze table's Arrow schema as it is now.
+    pub fn bronze_schema(&self) -> StepResult<deltalake::arrow::datatypes::SchemaRef> {
+        let snap = self.bronze.snapshot().map_err(StepError::delta(&self.workflow.target.bronze))?;
+        let arrow = snap.snapshot().arrow_schema();
+        Ok(arrow)
+    }
+
+    /// The columns snapshots cut key ranges on.
+    pub fn snapshot_keys(&self) -> Vec<String> {
+        match &self.workflow.snapshot.keys {
+            Some(k) => k.iter().map(|k| self.instance.column(k).map(|c| c.name.clone()).unwrap_or_else(|| k.clone())).collect(),
+            None => self.instance.index_columns.clone(),
+        }
+    }
+
+    /// Commit time (UTC) of an LSN, from the source's mapping table.
+    pub async fn commit_time(&self, lsn: crate::lsn::Lsn) -> StepResult<Option<chrono::DateTime<chrono::Utc>>> {
+        Ok(self.source.lsn_to_time(lsn).await?.map(|l| self.zone.to_utc(l)))
+    }
+}
+
+/// The source password, from the variable or file the workflow names.
+fn read_secrets(wf: &Workflow) -> StepResult<SourceSecrets> {
+    let mut s = SourceSecrets::default();
+    if let Some(var) = &wf.source.password_env {
+        s.password = Some(std::env::var(var).map_err(|_| {
+            StepError::Config(format!("source.password_env names {var}, which is not set: export it before running the step"))
+        })?);
+    } else if let Some(file) = &wf.source.password_file {
+        let text = std::fs::read_to_string(file)
+            .map_err(|e| StepError::Config(format!("cannot read source.password_file {}: {e}", file.display())))?;
+        s.password = Some(text.trim_end_matches(['\n', '\r']).to_string());
+    }
+    Ok(s)
+}
+
+/// Loads a workflow file and opens its context.
+pub async fn open_workflow(path: &Path) -> StepResult<Context> {
+    Context::open(Workflow::load(path)?).await
+}

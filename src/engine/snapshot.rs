@@ -1,0 +1,313 @@
+//! Full snapshots: the table read at S = max LSN over N connections, written
+//! to bronze as operation-0 rows in one commit.
+//!
+//! Order of effects (each a commit, each a failpoint after it):
+//! 1. a `snapshot_open` facts row (mode full, no txn: one per attempt, so a
+//!    rerun under another S shows as its own attempt);
+//! 2. the bronze append of every row, txn `<app id>#snapshot` + generation,
+//!    S and the row count in the commit metadata (none for an empty table);
+//! 3. the `bootstrap` facts row, txn `<app id>#events` + generation.
+//!
+//! A crash after 2 finds the bronze txn on the rerun and writes 3 from the
+//! commit's metadata without reading the table again; a crash before 2 reads
+//! it again at a new S. The stream then continues from S.
+
+use std::time::Instant;
+
+use deltalake::arrow::record_batch::RecordBatch;
+use futures::StreamExt;
+use serde::Serialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use super::Context;
+use crate::delta::bronze::{self, SnapshotStamp};
+use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_SNAPSHOT_OPEN};
+use crate::delta::{self, Appended, Txn};
+use crate::error::{StepError, StepResult};
+use crate::failpoint;
+use crate::lsn::Lsn;
+use crate::source::{KeyRange, SnapshotRead};
+use crate::types::{Key, SqlValue};
+
+/// The result of a bootstrap (or of finding one already done).
+#[derive(Debug, Clone, Serialize)]
+pub struct SnapshotResult {
+    pub step: &'static str,
+    pub snapshot_lsn: Lsn,
+    pub rows: i64,
+    pub already_done: bool,
+    pub ranges: usize,
+    pub duration_ms: i64,
+}
+
+/// Splits `[min, max]` of an integer key into `n` ranges that tile the whole
+/// key space: the first open below (it also takes NULL keys), the last open
+/// above (keys inserted above MAX after S are the stream's, but reading them
+/// does no harm), each boundary shared by two ranges' complementary predicates.
+pub fn split_integer(min: i64, max: i64, n: usize) -> Vec<KeyRange> {
+    let n = n.max(1) as i128;
+    let span = max as i128 - min as i128 + 1;
+    let parts = n.min(span.max(1));
+    let mut bounds: Vec<i64> = Vec::new();
+    for i in 1..parts {
+        let b = min as i128 + span * i / parts;
+        let b = b as i64;
+        if bounds.last() != Some(&b) {
+            bounds.push(b);
+        }
+    }
+    ranges_from_bounds(bounds.into_iter().map(|b| vec![SqlValue::Int(b)]).collect())
+}
+
+/// Ranges `(-inf, b1), [b1, b2), ..., [bk, +inf)` from ascending bounds.
+pub fn ranges_from_bounds(bounds: Vec<Key>) -> Vec<KeyRange> {
+    let mut out = Vec::with_capacity(bounds.len() + 1);
+    let mut lo: Option<Key> = None;
+    for b in bounds {
+        out.push(KeyRange { lo: lo.clone(), hi: Some(b.clone()) });
+        lo = Some(b);
+    }
+    out.push(KeyRange { lo, hi: None });
+    out
+}
+
+/// Cuts the table into about `n` key ranges for parallel reads.
+async fn plan_ranges(ctx: &Context, keys: &[String]) -> StepResult<Vec<KeyRange>> {
+    let n = ctx.workflow.snapshot.parallelism;
+    if keys.is_empty() || n <= 1 {
+        return Ok(vec![KeyRange::all()]);
+    }
+    let iso = ctx.workflow.snapshot.isolation;
+    let table = ctx.workflow.table_name();
+    let Some((min, max)) = ctx.source.key_extent(&table, keys, iso).await? else {
+        return Ok(vec![KeyRange::all()]);
+    };
+    let single_int = keys.len() == 1 && ctx.instance.column(&keys[0]).map(|c| c.sql_type.is_integer()).unwrap_or(false);
+    if let (true, Some(lo), Some(hi)) = (single_int, min[0].as_i64(), max[0].as_i64()) {
+        return Ok(split_integer(lo, hi, n));
+    }
+    // Other keys: keyset seeks every estimate/n rows.
+    let estimate = ctx.source.row_estimate(&table).await?.max(1);
+    let step = (estimate / n as u64).max(1);
+    let mut bounds: Vec<Key> = Vec::new();
+    let mut lo: Option<Key> = None;
+    for _ in 1..n {
+        let range = KeyRange { lo: lo.clone(), hi: None };
+        match ctx.source.key_seek(&table, keys, &range, step, iso).await? {
+            Some(b) if lo.as_ref() != Some(&b) && !b.iter().any(SqlValue::is_null) => {
+                bounds.push(b.clone());
+                lo = Some(b);
+            }
+            _ => break,
+        }
+    }
+    Ok(ranges_from_bounds(bounds))
+}
+
+/// Makes sure generation 0's bootstrap snapshot exists: returns it when it
+/// does, completes it from bronze after a crash, or takes it.
+pub async fn ensure_bootstrap(ctx: &mut Context) -> StepResult<SnapshotResult> {
+    let started = Instant::now();
+    let app = ctx.workflow.app_id.clone();
+    let st = super::state::load(ctx).await?;
+    if st.generation == 0 {
+        if let Some(s) = st.snapshot {
+            return Ok(SnapshotResult { step: "snapshot", snapshot_lsn: s, rows: 0, already_done: true, ranges: 0, duration_ms: 0 });
+        }
+    }
+    let generation = 0;
+    let snap_txn = Txn::new(format!("{app}#snapshot"), generation as i64);
+    // A crash after the bronze commit: finish from its metadata.
+    if delta::txn_version(&ctx.bronze, &snap_txn.app_id).await?.is_some_and(|v| v >= snap_txn.version) {
+        let (version, meta) = delta::find_txn_commit(&ctx.bronze, &snap_txn).await?.ok_or_else(|| {
+            StepError::NeedsPerson(format!(
+                "bronze records the bootstrap snapshot ({}) but its commit is no longer in the log: write its facts row by hand",
+                snap_txn.app_id
+            ))
+        })?;
+        let s = meta.get("snapshot_lsn").and_then(Value::as_str).and_then(|s| Lsn::parse(s).ok()).ok_or_else(|| {
+            StepError::Internal(format!("bronze commit {version} lacks its snapshot LSN"))
+        })?;
+        let rows = meta.get("rows").and_then(Value::as_i64).unwrap_or(0);
+        tracing::warn!(snapshot = %s, "bronze holds the bootstrap snapshot without its facts row (a crash between the two): writing it now");
+        write_completion(ctx, generation, s, rows, Some(version), None).await?;
+        return Ok(SnapshotResult { step: "snapshot", snapshot_lsn: s, rows, already_done: true, ranges: 0, duration_ms: 0 });
+    }
+    let s = ctx.source.max_lsn().await?.ok_or_else(|| {
+        StepError::Temporary("the capture job has not recorded any LSN yet (max LSN is NULL): call again once it has run".into())
+    })?;
+    let commit_ts = ctx.commit_time(s).await?;
+    let open = FactRow {
+        app_id: app.clone(),
+        table: ctx.workflow.table_name().to_string(),
+        target: ctx.workflow.target.bronze.clone(),
+        generation,
+        event: Some(EVENT_SNAPSHOT_OPEN.into()),
+        capture_instance: Some(ctx.instance.name.clone()),
+        min_lsn: Some(s),
+        max_lsn: Some(s),
+        commit_ts,
+        detail: Some(json!({"mode": "full", "kind": "bootstrap", "generation": generation})),
+        recorded_at: Some(chrono::Utc::now()),
+        ..Default::default()
+    };
+    super::stream::append_facts_untracked(ctx, vec![open]).await?;
+    failpoint!("snapshot.after_open");
+
+    let keys = ctx.snapshot_keys();
+    let ranges = plan_ranges(ctx, &keys).await?;
+    let n_ranges = ranges.len();
+    tracing::info!(snapshot = %s, ranges = n_ranges, "reading the table for a full snapshot");
+    let stamp = SnapshotStamp { snapshot: s, start_lsn: s, commit_ts, capture_instance: ctx.instance.name.clone(), chunk: None };
+    let bronze_schema = ctx.bronze_schema()?;
+    let (tx, rx) = mpsc::channel::<StepResult<RecordBatch>>(2 * n_ranges.max(1));
+    let mut readers = Vec::new();
+    for range in ranges {
+        let read = SnapshotRead {
+            table: ctx.workflow.table_name(),
+            columns: ctx.instance.columns.clone(),
+            keys: keys.clone(),
+            range,
+            isolation: ctx.workflow.snapshot.isolation,
+            batch_rows: ctx.workflow.snapshot.batch_rows,
+        };
+        let source = ctx.source.clone();
+        let tx = tx.clone();
+        let stamp = stamp.clone();
+        let schema = bronze_schema.clone();
+        readers.push(tokio::spawn(async move {
+            let mut stream = match source.snapshot_read(&read).await {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = tx.send(Err(e.into())).await;
+                    return;
+                }
+            };
+            while let Some(b) = stream.next().await {
+                let item = b.map_err(StepError::from).and_then(|b| bronze::from_snapshot(&b, &schema, &stamp));
+                let failed = item.is_err();
+                if tx.send(item).await.is_err() || failed {
+                    return;
+                }
+            }
+        }));
+    }
+    drop(tx);
+    let rows_stream = tokio_stream_from(rx);
+    let counted = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(0));
+    let c2 = counted.clone();
+    let rows_stream = rows_stream.inspect(move |b| {
+        if let Ok(b) = b {
+            c2.fetch_add(b.num_rows() as i64, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    // The row count is only known after the read, so the metadata names the
+    // snapshot and the count is recorded from the stream as it passes.
+    let meta = json!({"kind": "snapshot", "mode": "full", "snapshot_lsn": s, "generation": generation, "capture_instance": ctx.instance.name});
+    let appended = append_counted(ctx, rows_stream, bronze_schema, &snap_txn, meta, counted.clone()).await;
+    for r in readers {
+        let _ = r.await;
+    }
+    let appended = appended?;
+    let rows = counted.load(std::sync::atomic::Ordering::Relaxed);
+    let bronze_version = match appended {
+        Appended::Committed { table_version } => Some(table_version),
+        Appended::Empty => None,
+        Appended::AlreadyApplied { .. } => {
+            return Err(StepError::Temporary("another run committed this bootstrap snapshot meanwhile: call again".into()))
+        }
+    };
+    failpoint!("snapshot.after_bronze");
+    let duration_ms = started.elapsed().as_millis() as i64;
+    write_completion(ctx, generation, s, rows, bronze_version, Some(duration_ms)).await?;
+    failpoint!("snapshot.after_event");
+    tracing::info!(snapshot = %s, rows, duration_ms, "bootstrap snapshot complete");
+    Ok(SnapshotResult { step: "snapshot", snapshot_lsn: s, rows, already_done: false, ranges: n_ranges, duration_ms })
+}
+
+/// Appends the snapshot's rows; the row count goes into the metadata once
+/// known, by writing the count the stream saw into the commit (the writer
+/// only commits after the last batch).
+async fn append_counted<S>(
+    ctx: &mut Context,
+    batches: S,
+    schema: deltalake::arrow::datatypes::SchemaRef,
+    txn: &Txn,
+    meta: Value,
+    counted: std::sync::Arc<std::sync::atomic::AtomicI64>,
+) -> StepResult<Appended>
+where
+    S: futures::Stream<Item = StepResult<RecordBatch>> + Send,
+{
+    delta::append_idempotent_with(&mut ctx.bronze, batches, schema, txn, move || {
+        let mut m = meta.clone();
+        m["rows"] = json!(counted.load(std::sync::atomic::Ordering::Relaxed));
+        m
+    })
+    .await
+}
+
+/// Writes the snapshot's completion row ('bootstrap'), once per generation.
+async fn write_completion(ctx: &mut Context, generation: i32, s: Lsn, rows: i64, bronze_version: Option<i64>, duration_ms: Option<i64>) -> StepResult<()> {
+    let row = FactRow {
+        app_id: ctx.workflow.app_id.clone(),
+        table: ctx.workflow.table_name().to_string(),
+        target: ctx.workflow.target.bronze.clone(),
+        generation,
+        event: Some(EVENT_BOOTSTRAP.into()),
+        capture_instance: Some(ctx.instance.name.clone()),
+        min_lsn: Some(s),
+        max_lsn: Some(s),
+        rows: Some(rows),
+        duration_ms,
+        commit_ts: ctx.commit_time(s).await?,
+        bronze_version,
+        detail: Some(json!({"mode": "full"})),
+        recorded_at: Some(chrono::Utc::now()),
+        ..Default::default()
+    };
+    let txn = Txn::new(format!("{}#events", ctx.workflow.app_id), generation as i64);
+    super::stream::append_facts(ctx, vec![row], &txn).await?;
+    Ok(())
+}
+
+fn tokio_stream_from<T: Send + 'static>(mut rx: mpsc::Receiver<T>) -> impl futures::Stream<Item = T> + Send {
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn covers(ranges: &[KeyRange], v: i64) -> usize {
+        ranges.iter().filter(|r| r.contains(&[SqlValue::Int(v)])).count()
+    }
+
+    #[test]
+    fn integer_split_tiles_and_handles_edges() {
+        let r = split_integer(1, 100, 4);
+        assert_eq!(r.len(), 4);
+        assert!(r[0].lo.is_none() && r[3].hi.is_none());
+        for v in [-5, 1, 25, 26, 100, 1000] {
+            assert_eq!(covers(&r, v), 1, "value {v}");
+        }
+        // NULL keys only in the first range.
+        assert!(r[0].contains(&[SqlValue::Null]));
+        assert!(!r[1].contains(&[SqlValue::Null]));
+        // More ranges than values, and the extremes of bigint.
+        assert_eq!(split_integer(5, 5, 8).len(), 1);
+        let r = split_integer(i64::MIN, i64::MAX, 3);
+        assert_eq!(r.len(), 3);
+        assert_eq!(covers(&r, i64::MAX), 1);
+    }
+
+    proptest! {
+        #[test]
+        fn every_value_in_exactly_one_range(min in -1000i64..1000, len in 0i64..5000, n in 1usize..12, probe in -3000i64..8000) {
+            let r = split_integer(min, min + len, n);
+            prop_assert_eq!(covers(&r, probe), 1);
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! The stream's state, derived from the facts table and bronze's txn versions.
+//!
+//! [`load`] does the I/O; [`StreamState::derive`] is a pure function of the
+//! facts rows and the bronze txn version, so every rule below is unit-tested
+//! without a table:
+//! - the generation is the highest one any row of this app id names;
+//! - the position is the newest batch's `max_lsn` in that generation, or the
+//!   generation's start (its snapshot's S, or the recorded stream start);
+//! - a bronze txn version above the newest facts batch means a crash between
+//!   the two commits: that batch's facts row must be repaired first.
+
+use serde::Serialize;
+
+use crate::delta::facts::{self, FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT, EVENT_SNAPSHOT_OPEN};
+use crate::delta::{self, sql_str};
+use crate::error::StepResult;
+use crate::lsn::Lsn;
+
+/// Facts event recording where a stream without a bootstrap started.
+pub const EVENT_STREAM_START: &str = "stream_start";
+
+/// What the facts and bronze say about one stream.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StreamState {
+    pub generation: i32,
+    /// The generation's app id (bronze txn id of its batches).
+    pub generation_app_id: String,
+    /// The completed snapshot the generation started from (bootstrap or resnapshot), if any.
+    pub snapshot: Option<Lsn>,
+    /// The recorded start of a stream without a snapshot.
+    pub stream_start: Option<Lsn>,
+    /// The newest batch with a facts row in this generation.
+    pub last_batch: Option<FactRow>,
+    /// The newest batch id bronze holds for this generation's app id.
+    pub bronze_batch: Option<i64>,
+    /// Full snapshot opens without a completion yet (their S).
+    pub open_snapshots: Vec<Lsn>,
+}
+
+impl StreamState {
+    /// Derives the state from this app id's facts rows and bronze's txn
+    /// version for the generation's app id (looked up by the caller, who
+    /// first needs the generation: see [`generation_of`]).
+    pub fn derive(app_id: &str, rows: &[FactRow], bronze_batch: Option<i64>) -> StreamState {
+        let generation = generation_of(rows);
+        let in_gen = |r: &&FactRow| r.generation == generation;
+        let snapshot = rows
+            .iter()
+            .filter(in_gen)
+            .filter(|r| matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT)))
+            .filter_map(|r| r.max_lsn)
+            .max();
+        let stream_start = rows.iter().filter(in_gen).filter(|r| r.event.as_deref() == Some(EVENT_STREAM_START)).filter_map(|r| r.max_lsn).max();
+        let last_batch = rows
+            .iter()
+            .filter(in_gen)
+            .filter(|r| r.event.is_none() && r.batch_id.is_some())
+            .max_by_key(|r| r.batch_id)
+            .cloned();
+        let completed: Vec<Lsn> = rows
+            .iter()
+            .filter(|r| matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT)))
+            .filter_map(|r| r.max_lsn)
+            .collect();
+        let mut open_snapshots: Vec<Lsn> = rows
+            .iter()
+            .filter(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_OPEN))
+            .filter_map(|r| r.min_lsn)
+            .filter(|s| !completed.iter().any(|c| c >= s))
+            .collect();
+        open_snapshots.sort();
+        open_snapshots.dedup();
+        StreamState {
+            generation,
+            generation_app_id: super::generation_app_id(app_id, generation),
+            snapshot,
+            stream_start,
+            last_batch,
+            bronze_batch,
+            open_snapshots,
+        }
+    }
+
+    /// The last position the stream processed, if it has one yet.
+    pub fn position(&self) -> Option<Lsn> {
+        self.last_batch.as_ref().and_then(|b| b.max_lsn).or(self.snapshot).or(self.stream_start)
+    }
+
+    /// The batch id bronze holds but the facts do not (a crash between the two commits).
+    pub fn batch_to_repair(&self) -> Option<i64> {
+        let facts_batch = self.last_batch.as_ref().and_then(|b| b.batch_id);
+        match (self.bronze_batch, facts_batch) {
+            (Some(b), Some(f)) if b > f => Some(b),
+            (Some(b), None) => Some(b),
+            _ => None,
+        }
+    }
+
+    /// The id the next batch takes.
+    pub fn next_batch_id(&self) -> i64 {
+        let f = self.last_batch.as_ref().and_then(|b| b.batch_id).unwrap_or(-1);
+        f.max(self.bronze_batch.unwrap_or(-1)) + 1
+    }
+}
+
+/// The current generation: the highest any row names (0 for a new stream).
+pub fn generation_of(rows: &[FactRow]) -> i32 {
+    rows.iter().map(|r| r.generation).max().unwrap_or(0)
+}
+
+/// Reads this app id's facts rows.
+pub async fn facts_rows(facts: &deltalake::DeltaTable, app_id: &str) -> StepResult<Vec<FactRow>> {
+    let batches = delta::query(facts, &format!("SELECT * FROM t WHERE app_id = {}", sql_str(app_id))).await?;
+    facts::from_batches(&batches)
+}
+
+/// Loads the stream's state (reloading both tables first).
+pub async fn load(ctx: &mut super::Context) -> StepResult<StreamState> {
+    ctx.facts.update_state().await.map_err(crate::error::StepError::delta(&ctx.workflow.target.facts))?;
+    ctx.bronze.update_state().await.map_err(crate::error::StepError::delta(&ctx.workflow.target.bronze))?;
+    let rows = facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
+    let generation = generation_of(&rows);
+    let gen_app = super::generation_app_id(&ctx.workflow.app_id, generation);
+    let bronze_batch = delta::txn_version(&ctx.bronze, &gen_app).await?;
+    Ok(StreamState::derive(&ctx.workflow.app_id, &rows, bronze_batch))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lsn(n: u128) -> Lsn {
+        Lsn::from_u128(n)
+    }
+
+    fn batch(gen: i32, id: i64, to: u128) -> FactRow {
+        FactRow { app_id: "a".into(), generation: gen, batch_id: Some(id), min_lsn: Some(lsn(to - 1)), max_lsn: Some(lsn(to)), ..Default::default() }
+    }
+
+    fn event(gen: i32, name: &str, at: u128) -> FactRow {
+        FactRow { app_id: "a".into(), generation: gen, event: Some(name.into()), min_lsn: Some(lsn(at)), max_lsn: Some(lsn(at)), ..Default::default() }
+    }
+
+    #[test]
+    fn new_stream_has_no_position() {
+        let s = StreamState::derive("a", &[], None);
+        assert_eq!(s.position(), None);
+        assert_eq!(s.next_batch_id(), 0);
+        assert_eq!(s.generation_app_id, "a");
+    }
+
+    #[test]
+    fn position_is_newest_batch_else_snapshot() {
+        let rows = vec![event(0, EVENT_SNAPSHOT_OPEN, 10), event(0, EVENT_BOOTSTRAP, 10)];
+        let s = StreamState::derive("a", &rows, None);
+        assert_eq!(s.position(), Some(lsn(10)));
+        assert!(s.open_snapshots.is_empty());
+        let mut rows2 = rows.clone();
+        rows2.push(batch(0, 0, 20));
+        rows2.push(batch(0, 1, 30));
+        let s = StreamState::derive("a", &rows2, Some(1));
+        assert_eq!(s.position(), Some(lsn(30)));
+        assert_eq!(s.batch_to_repair(), None);
+        assert_eq!(s.next_batch_id(), 2);
+    }
+
+    #[test]
+    fn bronze_ahead_of_facts_is_repaired_first() {
+        let rows = vec![event(0, EVENT_BOOTSTRAP, 10), batch(0, 0, 20)];
+        let s = StreamState::derive("a", &rows, Some(1));
+        assert_eq!(s.batch_to_repair(), Some(1));
+        assert_eq!(s.next_batch_id(), 2);
+        let s = StreamState::derive("a", &[event(0, EVENT_BOOTSTRAP, 10)], Some(0));
+        assert_eq!(s.batch_to_repair(), Some(0));
+    }
+
+    #[test]
+    fn an_open_without_completion_stays_open() {
+        let s = StreamState::derive("a", &[event(0, EVENT_SNAPSHOT_OPEN, 10)], None);
+        assert_eq!(s.open_snapshots, vec![lsn(10)]);
+        assert_eq!(s.position(), None);
+    }
+
+    #[test]
+    fn later_generation_uses_its_own_app_id_and_rows() {
+        let rows = vec![event(0, EVENT_BOOTSTRAP, 10), batch(0, 5, 20), event(1, EVENT_RESNAPSHOT, 50)];
+        let s = StreamState::derive("a", &rows, None);
+        assert_eq!(s.generation, 1);
+        assert_eq!(s.generation_app_id, "a.g1");
+        assert_eq!(s.position(), Some(lsn(50)));
+        assert_eq!(s.next_batch_id(), 0);
+    }
+}

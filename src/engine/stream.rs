@@ -1,0 +1,391 @@
+//! The `stream` step: micro-batches from the stream's position up to max LSN.
+//!
+//! Each batch reads the capture instance's changes in `(position, to]`,
+//! appends them to bronze in one commit (txn: the generation's app id, the
+//! batch id; the range in the commit metadata), then writes its facts row
+//! (txn: `<app id>#facts`, the batch id). A crash between the two leaves a
+//! bronze commit without a facts row; the next call finds the bronze txn
+//! version ahead of the facts and writes the missing row from the commit's
+//! metadata before reading anything, so the position never moves back and no
+//! change is written twice.
+
+use std::time::Instant;
+
+use deltalake::arrow::array::{Array, FixedSizeBinaryArray};
+use deltalake::arrow::record_batch::RecordBatch;
+use futures::StreamExt;
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use super::state::{self, StreamState, EVENT_STREAM_START};
+use super::Context;
+use crate::delta::facts::{self, FactRow};
+use crate::delta::{self, bronze, Appended, Txn};
+use crate::error::{StepError, StepResult};
+use crate::failpoint;
+use crate::lsn::Lsn;
+use crate::source::CHANGE_START_LSN;
+use crate::workflow::SnapshotMode;
+
+/// What the next batch should do, decided from the position and the source's bounds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchDecision {
+    /// Nothing new: max LSN is at or below the position.
+    CaughtUp,
+    /// Read `from ..= to_max` (bounded by rows).
+    Read { from: Lsn, to_max: Lsn },
+    /// The next range was purged: `next < min_lsn` with changes to read.
+    Purged { next: Lsn, min_lsn: Lsn },
+}
+
+/// The retention guard, as a pure function. Precondition of the purge test:
+/// a range to read exists (max LSN above the position); with nothing
+/// captured after the position nothing can have been purged from it, and a
+/// new instance's min LSN may still be unset.
+pub fn decide(position: Lsn, max_lsn: Option<Lsn>, min_lsn: Option<Lsn>) -> BatchDecision {
+    let Some(max) = max_lsn else { return BatchDecision::CaughtUp };
+    if max <= position {
+        return BatchDecision::CaughtUp;
+    }
+    let next = position.increment();
+    match min_lsn {
+        Some(min) if next < min => BatchDecision::Purged { next, min_lsn: min },
+        _ => BatchDecision::Read { from: next, to_max: max },
+    }
+}
+
+/// The JSON result of a `stream` call.
+#[derive(Debug, Clone, Serialize)]
+pub struct StreamResult {
+    pub step: &'static str,
+    pub generation: i32,
+    pub batches: u32,
+    pub rows: i64,
+    pub position: Option<Lsn>,
+    pub source_max_lsn: Option<Lsn>,
+    pub caught_up: bool,
+    /// True when the step stopped at max_batches with more to read: call again now.
+    pub call_again: bool,
+    pub repaired_batches: Vec<i64>,
+    pub bootstrap: Option<Value>,
+}
+
+/// Runs the `stream` step: bootstrap first when configured, then batches.
+pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
+    let mut bootstrap = None;
+    if ctx.workflow.snapshot.bootstrap {
+        match ctx.workflow.snapshot.mode {
+            SnapshotMode::Full => {
+                let r = super::snapshot::ensure_bootstrap(ctx).await?;
+                bootstrap = Some(serde_json::to_value(&r).unwrap_or(Value::Null));
+            }
+            SnapshotMode::Chunked => {
+                return Err(StepError::Config(
+                    "snapshot.mode = \"chunked\" is not available in this release: use mode = \"full\"".into(),
+                ))
+            }
+        }
+    }
+    let mut st = state::load(ctx).await?;
+    let repaired = repair(ctx, &st).await?;
+    if !repaired.is_empty() {
+        st = state::load(ctx).await?;
+    }
+    if st.position().is_none() {
+        record_start(ctx, &st).await?;
+        st = state::load(ctx).await?;
+    }
+    let mut position = st.position().ok_or_else(|| StepError::Internal("the stream has no position after recording its start".into()))?;
+    let mut result = StreamResult {
+        step: "stream",
+        generation: st.generation,
+        batches: 0,
+        rows: 0,
+        position: Some(position),
+        source_max_lsn: None,
+        caught_up: false,
+        call_again: false,
+        repaired_batches: repaired,
+        bootstrap,
+    };
+    let ci = ctx.instance.name.clone();
+    loop {
+        if result.batches >= ctx.workflow.stream.max_batches {
+            result.call_again = true;
+            break;
+        }
+        let max = ctx.source.max_lsn().await?;
+        result.source_max_lsn = max;
+        let min = ctx.source.min_lsn(&ci).await?;
+        match decide(position, max, min) {
+            BatchDecision::CaughtUp => {
+                result.caught_up = true;
+                break;
+            }
+            BatchDecision::Purged { next, min_lsn } => return Err(data_loss(ctx, position, next, min_lsn).await),
+            BatchDecision::Read { from, to_max } => {
+                let batch_id = st.next_batch_id();
+                let fact = run_batch(ctx, &st, batch_id, from, to_max, max).await?;
+                result.batches += 1;
+                result.rows += fact.rows.unwrap_or(0);
+                position = fact.max_lsn.expect("a batch has a max LSN");
+                result.position = Some(position);
+                st.last_batch = Some(fact);
+            }
+        }
+    }
+    Ok(result)
+}
+
+/// The error for a purged next range, with the times that name the gap.
+pub async fn data_loss(ctx: &Context, position: Lsn, next: Lsn, min_lsn: Lsn) -> StepError {
+    let from_t = ctx.commit_time(position).await.ok().flatten();
+    let to_t = ctx.commit_time(min_lsn).await.ok().flatten();
+    let times = match (from_t, to_t) {
+        (Some(a), Some(b)) => format!("; changes committed between {a} and {b} are gone"),
+        (None, Some(b)) => format!("; changes committed before {b} are gone"),
+        _ => String::new(),
+    };
+    StepError::DataLoss {
+        capture_instance: ctx.instance.name.clone(),
+        position,
+        next,
+        min_lsn,
+        times,
+        advice: "Take a new snapshot into a new target (or a new app_id), or raise the CDC retention \
+                 (sys.sp_cdc_change_job @retention) so the stream keeps up."
+            .into(),
+    }
+}
+
+/// Records where a stream without a bootstrap starts, so later calls start there too.
+async fn record_start(ctx: &mut Context, st: &StreamState) -> StepResult<()> {
+    let start = match ctx.workflow.stream.start.as_str() {
+        "latest" => ctx.source.max_lsn().await?.ok_or_else(|| {
+            StepError::Temporary("the capture job has not recorded any LSN yet (max LSN is NULL): call again once it has run".into())
+        })?,
+        "earliest" => {
+            let min = ctx.source.min_lsn(&ctx.instance.name).await?.ok_or_else(|| {
+                StepError::Temporary(format!("capture instance '{}' has no minimum LSN yet: call again once capture has run", ctx.instance.name))
+            })?;
+            min.decrement()
+        }
+        lsn => Lsn::parse(lsn).map_err(|e| StepError::Config(e.to_string()))?,
+    };
+    let row = FactRow {
+        app_id: ctx.workflow.app_id.clone(),
+        table: ctx.workflow.table_name().to_string(),
+        target: ctx.workflow.target.bronze.clone(),
+        generation: st.generation,
+        event: Some(EVENT_STREAM_START.into()),
+        capture_instance: Some(ctx.instance.name.clone()),
+        min_lsn: Some(start),
+        max_lsn: Some(start),
+        rows: Some(0),
+        detail: Some(json!({"start": ctx.workflow.stream.start})),
+        recorded_at: Some(chrono::Utc::now()),
+        ..Default::default()
+    };
+    let txn = Txn::new(format!("{}#start", st.generation_app_id), 0);
+    append_facts(ctx, vec![row], &txn).await?;
+    failpoint!("stream.after_start");
+    Ok(())
+}
+
+/// Appends facts rows with a txn (their summary in the commit metadata).
+pub async fn append_facts(ctx: &mut Context, rows: Vec<FactRow>, txn: &Txn) -> StepResult<Appended> {
+    let meta = json!({"facts": facts::summary(&rows), "app_id": ctx.workflow.app_id});
+    delta::append_batches(&mut ctx.facts, vec![facts::to_batch(&rows)], facts::schema(), txn, meta).await
+}
+
+/// Appends facts rows without a txn (events written once per attempt, such as a full snapshot's open).
+pub async fn append_facts_untracked(ctx: &mut Context, rows: Vec<FactRow>) -> StepResult<()> {
+    let meta = json!({"facts": facts::summary(&rows), "app_id": ctx.workflow.app_id});
+    delta::append_untracked(&mut ctx.facts, vec![facts::to_batch(&rows)], meta).await
+}
+
+/// Writes the facts rows of batches bronze holds without them.
+async fn repair(ctx: &mut Context, st: &StreamState) -> StepResult<Vec<i64>> {
+    let Some(upto) = st.batch_to_repair() else { return Ok(vec![]) };
+    let first = st.last_batch.as_ref().and_then(|b| b.batch_id).map(|b| b + 1).unwrap_or(0);
+    let mut repaired = Vec::new();
+    for batch_id in first..=upto {
+        let txn = Txn::new(st.generation_app_id.clone(), batch_id);
+        let Some((version, meta)) = delta::find_txn_commit(&ctx.bronze, &txn).await? else {
+            // An empty batch has no bronze commit; only the newest one can be missing facts.
+            if batch_id < upto {
+                continue;
+            }
+            return Err(StepError::NeedsPerson(format!(
+                "bronze records batch {batch_id} of {} but its commit is no longer in the Delta log and the facts \
+                 have no row for it: restore the facts row by hand or start a new app_id",
+                st.generation_app_id
+            )));
+        };
+        let lsn = |k: &str| meta.get(k).and_then(Value::as_str).and_then(|s| Lsn::parse(s).ok());
+        let (Some(from), Some(to)) = (lsn("from_lsn"), lsn("to_lsn")) else {
+            return Err(StepError::Internal(format!("bronze commit {version} lacks its batch range metadata")));
+        };
+        tracing::warn!(batch_id, bronze_version = version, "bronze holds a batch without its facts row (a crash between the two commits): writing it now");
+        let row = FactRow {
+            app_id: ctx.workflow.app_id.clone(),
+            table: ctx.workflow.table_name().to_string(),
+            target: ctx.workflow.target.bronze.clone(),
+            generation: st.generation,
+            batch_id: Some(batch_id),
+            capture_instance: meta.get("capture_instance").and_then(Value::as_str).map(str::to_string),
+            min_lsn: Some(from),
+            max_lsn: Some(to),
+            rows: meta.get("rows").and_then(Value::as_i64),
+            source_max_lsn: lsn("source_max_lsn"),
+            commit_ts: ctx.commit_time(to).await?,
+            bronze_version: Some(version),
+            detail: Some(json!({"repaired": true})),
+            recorded_at: Some(chrono::Utc::now()),
+            ..Default::default()
+        };
+        append_facts(ctx, vec![row], &Txn::new(format!("{}#facts", st.generation_app_id), batch_id)).await?;
+        repaired.push(batch_id);
+    }
+    Ok(repaired)
+}
+
+/// Reads, commits and records one micro-batch.
+async fn run_batch(ctx: &mut Context, st: &StreamState, batch_id: i64, from: Lsn, to_max: Lsn, source_max: Option<Lsn>) -> StepResult<FactRow> {
+    let started = Instant::now();
+    let limit = ctx.workflow.stream.max_batch_rows;
+    let filter = ctx.workflow.stream.row_filter.into();
+    let bronze_schema = ctx.bronze_schema()?;
+    let mut stream = ctx.source.changes(&ctx.instance, from, to_max, filter, limit.min(8_192)).await?;
+    let mut out: Vec<RecordBatch> = Vec::new();
+    let mut rows = 0usize;
+    let mut cut_at: Option<Lsn> = None; // the LSN the batch ends at when it stops before to_max
+    while let Some(batch) = stream.next().await {
+        let batch = batch?;
+        if batch.num_rows() == 0 {
+            continue;
+        }
+        let lsns = batch
+            .column_by_name(CHANGE_START_LSN)
+            .and_then(|a| a.as_any().downcast_ref::<FixedSizeBinaryArray>().cloned())
+            .ok_or_else(|| StepError::Internal("change batch without __$start_lsn".into()))?;
+        let take = match cut_at {
+            // Past the row limit: keep only the rest of the last transaction.
+            Some(last) => (0..lsns.len()).take_while(|&i| lsn_at(&lsns, i) == last).count(),
+            None => batch.num_rows(),
+        };
+        if take > 0 {
+            let piece = batch.slice(0, take);
+            out.push(bronze::from_changes(&piece, &bronze_schema, &ctx.zone, batch_id, &ctx.instance.name)?);
+            rows += take;
+        }
+        if cut_at.is_some() && take < batch.num_rows() {
+            break;
+        }
+        if cut_at.is_none() && rows >= limit {
+            cut_at = Some(lsn_at(&lsns, lsns.len() - 1));
+        }
+    }
+    drop(stream);
+    // Cleanup may have run during the read: rows of the range could be gone.
+    if let Some(min) = ctx.source.min_lsn(&ctx.instance.name).await? {
+        if from < min {
+            return Err(data_loss(ctx, from.decrement(), from, min).await);
+        }
+    }
+    let to = cut_at.unwrap_or(to_max);
+    let meta = json!({
+        "kind": "batch",
+        "batch_id": batch_id,
+        "generation": st.generation,
+        "from_lsn": from,
+        "to_lsn": to,
+        "rows": rows,
+        "capture_instance": ctx.instance.name,
+        "source_max_lsn": source_max,
+    });
+    let txn = Txn::new(st.generation_app_id.clone(), batch_id);
+    let bronze_version = if rows > 0 {
+        match delta::append_batches(&mut ctx.bronze, out, bronze_schema, &txn, meta).await? {
+            Appended::Committed { table_version } => Some(table_version),
+            Appended::Empty => None,
+            Appended::AlreadyApplied { .. } => {
+                return Err(StepError::Temporary(format!(
+                    "batch {batch_id} of {} was committed by another writer meanwhile: call again",
+                    st.generation_app_id
+                )))
+            }
+        }
+    } else {
+        None
+    };
+    failpoint!("stream.after_bronze");
+    let min_now = ctx.source.min_lsn(&ctx.instance.name).await?;
+    let commit_ts = ctx.commit_time(to).await?;
+    let watermark = match min_now {
+        Some(m) => ctx.commit_time(m).await?,
+        None => None,
+    };
+    let row = FactRow {
+        app_id: ctx.workflow.app_id.clone(),
+        table: ctx.workflow.table_name().to_string(),
+        target: ctx.workflow.target.bronze.clone(),
+        generation: st.generation,
+        batch_id: Some(batch_id),
+        capture_instance: Some(ctx.instance.name.clone()),
+        min_lsn: Some(from),
+        max_lsn: Some(to),
+        rows: Some(rows as i64),
+        duration_ms: Some(started.elapsed().as_millis() as i64),
+        commit_ts,
+        source_max_lsn: source_max,
+        retention_watermark_ts: watermark,
+        headroom_seconds: match (commit_ts, watermark) {
+            (Some(c), Some(w)) => Some((c - w).num_milliseconds() as f64 / 1000.0),
+            _ => None,
+        },
+        bronze_version,
+        recorded_at: Some(chrono::Utc::now()),
+        ..Default::default()
+    };
+    append_facts(ctx, vec![row.clone()], &Txn::new(format!("{}#facts", st.generation_app_id), batch_id)).await?;
+    failpoint!("stream.after_facts");
+    tracing::info!(batch_id, rows, from = %from, to = %to, "batch committed");
+    Ok(row)
+}
+
+fn lsn_at(a: &FixedSizeBinaryArray, i: usize) -> Lsn {
+    let mut b = [0u8; 10];
+    b.copy_from_slice(a.value(i));
+    Lsn(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn l(n: u128) -> Lsn {
+        Lsn::from_u128(n)
+    }
+
+    #[test]
+    fn caught_up_when_nothing_new() {
+        assert_eq!(decide(l(10), Some(l(10)), Some(l(5))), BatchDecision::CaughtUp);
+        assert_eq!(decide(l(10), None, None), BatchDecision::CaughtUp);
+        // Nothing to read: even a min LSN past the position is no loss yet.
+        assert_eq!(decide(l(10), Some(l(10)), Some(l(50))), BatchDecision::CaughtUp);
+    }
+
+    #[test]
+    fn reads_from_the_next_lsn() {
+        assert_eq!(decide(l(10), Some(l(20)), Some(l(5))), BatchDecision::Read { from: l(11), to_max: l(20) });
+        // min LSN exactly at the next LSN is fine; NULL min LSN (new instance) too.
+        assert_eq!(decide(l(10), Some(l(20)), Some(l(11))), BatchDecision::Read { from: l(11), to_max: l(20) });
+        assert_eq!(decide(l(10), Some(l(20)), None), BatchDecision::Read { from: l(11), to_max: l(20) });
+    }
+
+    #[test]
+    fn purged_when_next_is_below_min() {
+        assert_eq!(decide(l(10), Some(l(20)), Some(l(12))), BatchDecision::Purged { next: l(11), min_lsn: l(12) });
+    }
+}

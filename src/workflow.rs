@@ -1,0 +1,323 @@
+//! The workflow file: one TOML file per replicated table.
+//!
+//! It names the source, the table, the Delta targets, the app id and the
+//! options. Unknown keys are errors (a misspelt option silently ignored is a
+//! production incident). Secrets never appear here: the file names the
+//! environment variable (or a file) that holds the password. Relative paths
+//! are resolved against the workflow file's folder, so a workflow folder can
+//! be moved as a whole.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{StepError, StepResult};
+use crate::source::{Isolation, RowFilter, TableName};
+
+/// A parsed, validated workflow file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workflow {
+    /// Names this stream in every Delta txn id and facts row. Unique per
+    /// (table, target); changing it starts a new stream.
+    pub app_id: String,
+    pub source: SourceConfig,
+    pub table: TableConfig,
+    pub target: TargetConfig,
+    #[serde(default)]
+    pub stream: StreamOptions,
+    #[serde(default)]
+    pub snapshot: SnapshotOptions,
+    /// Where the file was read from (not part of the file).
+    #[serde(skip)]
+    pub path: PathBuf,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    /// `sim://PATH` (the embedded simulator) or `mssql://USER@HOST:PORT/DATABASE?options`.
+    pub url: String,
+    /// The environment variable holding the password (mssql:// only).
+    #[serde(default)]
+    pub password_env: Option<String>,
+    /// A file holding the password (mssql:// only), e.g. a mounted secret.
+    #[serde(default)]
+    pub password_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TableConfig {
+    #[serde(default = "default_schema")]
+    pub schema: String,
+    pub name: String,
+    /// The capture instance to read; the table's newest one when omitted.
+    #[serde(default)]
+    pub capture_instance: Option<String>,
+}
+
+fn default_schema() -> String {
+    "dbo".into()
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TargetConfig {
+    /// The bronze table: a path or a URI (file://, s3://, abfss://, gs://).
+    pub bronze: String,
+    /// The facts table: micro-batch and event rows. May be shared by many streams.
+    pub facts: String,
+    /// Options for the object store (e.g. AWS_REGION). A value written
+    /// `env:NAME` is read from the environment, so keys stay out of the file.
+    #[serde(default)]
+    pub storage_options: BTreeMap<String, String>,
+}
+
+/// Options of the `stream` step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StreamOptions {
+    /// The most change rows one micro-batch holds (a batch never splits a
+    /// transaction, so it may exceed this by one transaction's rows).
+    pub max_batch_rows: usize,
+    /// The most micro-batches one `stream` call commits.
+    pub max_batches: u32,
+    /// `all` (updates as after-images) or `all update old` (before-images too).
+    pub row_filter: RowFilterOption,
+    /// Where a stream without a bootstrap starts: `earliest`, `latest` or an LSN.
+    pub start: String,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        StreamOptions { max_batch_rows: 100_000, max_batches: 1_000, row_filter: RowFilterOption::All, start: "earliest".into() }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RowFilterOption {
+    #[serde(rename = "all")]
+    All,
+    #[serde(rename = "all update old")]
+    AllUpdateOld,
+}
+
+impl From<RowFilterOption> for RowFilter {
+    fn from(o: RowFilterOption) -> RowFilter {
+        match o {
+            RowFilterOption::All => RowFilter::All,
+            RowFilterOption::AllUpdateOld => RowFilter::AllUpdateOld,
+        }
+    }
+}
+
+/// Options of snapshots (bootstrap and, later, re-snapshots).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SnapshotOptions {
+    /// Take an initial snapshot before streaming.
+    pub bootstrap: bool,
+    /// `full` (read the whole table at S, one commit) or `chunked`.
+    pub mode: SnapshotMode,
+    /// Source connections read side by side.
+    pub parallelism: usize,
+    /// Rows per Arrow batch read from the source.
+    pub batch_rows: usize,
+    /// READ COMMITTED by default; `snapshot` where the database allows it.
+    pub isolation: Isolation,
+    /// Columns to cut key ranges on (default: the capture instance's index columns).
+    pub keys: Option<Vec<String>>,
+}
+
+impl Default for SnapshotOptions {
+    fn default() -> Self {
+        SnapshotOptions {
+            bootstrap: false,
+            mode: SnapshotMode::Full,
+            parallelism: 4,
+            batch_rows: 8_192,
+            isolation: Isolation::ReadCommitted,
+            keys: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SnapshotMode {
+    Full,
+    Chunked,
+}
+
+impl Workflow {
+    /// Reads and validates a workflow file. Every problem is a `Config` error
+    /// naming the file and what to change.
+    pub fn load(path: &Path) -> StepResult<Workflow> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            StepError::Config(format!("cannot read workflow file {}: {e}. Pass an existing TOML file with --workflow.", path.display()))
+        })?;
+        Workflow::parse(&text, path)
+    }
+
+    /// Parses workflow text; `path` resolves relative paths and names the file in errors.
+    pub fn parse(text: &str, path: &Path) -> StepResult<Workflow> {
+        let mut wf: Workflow = toml::from_str(text)
+            .map_err(|e| StepError::Config(format!("workflow file {} is not valid: {}", path.display(), e.to_string().trim())))?;
+        wf.path = path.to_path_buf();
+        wf.resolve_paths();
+        wf.validate()?;
+        Ok(wf)
+    }
+
+    fn base_dir(&self) -> PathBuf {
+        let dir = self.path.parent().map(Path::to_path_buf).unwrap_or_default();
+        if dir.as_os_str().is_empty() {
+            PathBuf::from(".")
+        } else {
+            dir
+        }
+    }
+
+    fn resolve_paths(&mut self) {
+        let base = self.base_dir();
+        let resolve = |s: &str| -> String {
+            if s.contains("://") || Path::new(s).is_absolute() {
+                s.to_string()
+            } else {
+                absolute(&base.join(s)).to_string_lossy().into_owned()
+            }
+        };
+        self.target.bronze = resolve(&self.target.bronze);
+        self.target.facts = resolve(&self.target.facts);
+        if let Some(rest) = self.source.url.strip_prefix("sim://") {
+            if !Path::new(rest).is_absolute() {
+                self.source.url = format!("sim://{}", absolute(&base.join(rest)).display());
+            }
+        }
+        if let Some(f) = &self.source.password_file {
+            if f.is_relative() {
+                self.source.password_file = Some(absolute(&base.join(f)));
+            }
+        }
+    }
+
+    fn validate(&self) -> StepResult<()> {
+        let file = self.path.display();
+        let bad = |what: String| Err(StepError::Config(format!("workflow file {file}: {what}")));
+        if self.app_id.trim().is_empty() || self.app_id.contains('#') || self.app_id.chars().any(char::is_whitespace) {
+            return bad(format!("app_id '{}' must be non-empty, without spaces or '#' (it prefixes Delta txn ids)", self.app_id));
+        }
+        if !(self.source.url.starts_with("sim://") || self.source.url.starts_with("mssql://") || self.source.url.contains('=')) {
+            return bad(format!(
+                "source.url '{}' is not a source: use sim://PATH for the simulator or mssql://USER@HOST:PORT/DATABASE",
+                self.source.url
+            ));
+        }
+        if self.table.name.trim().is_empty() {
+            return bad("table.name is empty".into());
+        }
+        if self.target.bronze == self.target.facts {
+            return bad("target.bronze and target.facts must be different tables".into());
+        }
+        if self.stream.max_batch_rows == 0 || self.stream.max_batches == 0 {
+            return bad("stream.max_batch_rows and stream.max_batches must be at least 1".into());
+        }
+        if self.snapshot.parallelism == 0 || self.snapshot.parallelism > 64 {
+            return bad(format!("snapshot.parallelism is {}: use 1 to 64 connections", self.snapshot.parallelism));
+        }
+        if self.snapshot.batch_rows == 0 {
+            return bad("snapshot.batch_rows must be at least 1".into());
+        }
+        match self.stream.start.as_str() {
+            "earliest" | "latest" => {}
+            other => {
+                if crate::lsn::Lsn::parse(other).is_err() {
+                    return bad(format!("stream.start '{other}' must be earliest, latest or an LSN like 0x0000002a000001f00003"));
+                }
+            }
+        }
+        if let Some(keys) = &self.snapshot.keys {
+            if keys.is_empty() {
+                return bad("snapshot.keys is empty: name at least one column, or remove the key".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// The source table's name.
+    pub fn table_name(&self) -> TableName {
+        TableName::new(self.table.schema.clone(), self.table.name.clone())
+    }
+
+    /// The object-store options with `env:NAME` values read from the environment.
+    pub fn storage_options(&self) -> StepResult<std::collections::HashMap<String, String>> {
+        let mut out = std::collections::HashMap::new();
+        for (k, v) in &self.target.storage_options {
+            let value = match v.strip_prefix("env:") {
+                Some(var) => std::env::var(var).map_err(|_| {
+                    StepError::Config(format!("target.storage_options.{k} names the environment variable {var}, which is not set"))
+                })?,
+                None => v.clone(),
+            };
+            out.insert(k.clone(), value);
+        }
+        Ok(out)
+    }
+}
+
+fn absolute(p: &Path) -> PathBuf {
+    std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+app_id = "orders"
+[source]
+url = "sim://db.sqlite"
+[table]
+name = "orders"
+[target]
+bronze = "bronze"
+facts = "facts"
+[snapshot]
+bootstrap = true
+mode = "full"
+"#;
+
+    #[test]
+    fn parses_and_resolves_relative_paths() {
+        let wf = Workflow::parse(GOOD, Path::new("/tmp/wf/orders.toml")).unwrap();
+        assert_eq!(wf.target.bronze, "/tmp/wf/bronze");
+        assert_eq!(wf.source.url, "sim:///tmp/wf/db.sqlite");
+        assert_eq!(wf.table.schema, "dbo");
+        assert!(wf.snapshot.bootstrap);
+        assert_eq!(wf.stream.max_batch_rows, 100_000);
+    }
+
+    #[test]
+    fn unknown_key_is_an_error_naming_it() {
+        let text = GOOD.replace("mode = \"full\"", "mode = \"full\"\nbootstarp = true");
+        let e = Workflow::parse(&text, Path::new("wf.toml")).unwrap_err();
+        assert!(matches!(e, StepError::Config(_)));
+        assert!(e.to_string().contains("bootstarp"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_are_errors() {
+        for (from, to) in [
+            ("app_id = \"orders\"", "app_id = \"a#b\""),
+            ("url = \"sim://db.sqlite\"", "url = \"postgres://x\""),
+            ("mode = \"full\"", "mode = \"fast\""),
+        ] {
+            let e = Workflow::parse(&GOOD.replace(from, to), Path::new("wf.toml")).unwrap_err();
+            assert!(matches!(e, StepError::Config(_)), "{from} -> {to}: {e}");
+        }
+        let e = Workflow::parse("app_id = ", Path::new("wf.toml")).unwrap_err();
+        assert!(e.to_string().contains("wf.toml"));
+    }
+}

@@ -1,0 +1,143 @@
+//! The command line's contract: bad input gets a clear error and exit 2
+//! before anything is written; the last stdout line is JSON.
+
+mod common;
+
+use std::process::{Command, Output};
+
+use common::Scenario;
+use mssql_cdc::source::TableName;
+
+fn run(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mssql-cdc")).args(args).env("MSSQL_CDC_LOG", "warn").output().unwrap()
+}
+
+fn last_json(out: &Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
+}
+
+/// Runs `stream` on the scenario's workflow and expects exit 2 with `needle` in the error.
+fn expect_config_error(s: &Scenario, needle: &str) {
+    let out = run(&["--workflow", s.wf_path.to_str().unwrap(), "stream"]);
+    let j = last_json(&out);
+    assert_eq!(out.status.code(), Some(2), "{j}");
+    assert_eq!(j["ok"], false);
+    let msg = j["error"].as_str().unwrap();
+    assert!(msg.contains(needle), "error should mention '{needle}': {msg}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains(needle), "stderr names it too");
+}
+
+fn nothing_written(s: &Scenario) {
+    for t in ["bronze", "facts"] {
+        let p = s.path().join(t);
+        let empty = !p.exists() || std::fs::read_dir(&p).unwrap().next().is_none();
+        assert!(empty, "{t} was written");
+    }
+}
+
+#[test]
+fn missing_and_malformed_workflow_files() {
+    let out = run(&["--workflow", "/nonexistent/wf.toml", "stream"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(last_json(&out)["error"].as_str().unwrap().contains("/nonexistent/wf.toml"));
+
+    let s = Scenario::new(3, "");
+    std::fs::write(&s.wf_path, "app_id = \n").unwrap();
+    expect_config_error(&s, "items.toml");
+    let out = run(&["stream"]);
+    assert_eq!(out.status.code(), Some(2), "no --workflow");
+}
+
+#[test]
+fn unknown_key_in_workflow() {
+    let s = Scenario::new(3, "[snapshot]\nbootstrap = true\nparalelism = 4\n");
+    expect_config_error(&s, "paralelism");
+    nothing_written(&s);
+}
+
+#[test]
+fn table_that_does_not_exist() {
+    let mut s = Scenario::new(3, "");
+    let text = std::fs::read_to_string(&s.wf_path).unwrap().replace("name = \"items\"", "name = \"nope\"");
+    std::fs::write(&s.wf_path, text).unwrap();
+    expect_config_error(&s, "nope");
+    nothing_written(&s);
+    s.write_workflow("");
+}
+
+#[test]
+fn table_without_cdc() {
+    let s = Scenario::new(3, "");
+    let other = TableName::new("dbo", "plain");
+    s.db.create_table(&common::items_spec(&other)).unwrap();
+    let text = std::fs::read_to_string(&s.wf_path).unwrap().replace("name = \"items\"", "name = \"plain\"");
+    std::fs::write(&s.wf_path, text).unwrap();
+    expect_config_error(&s, "not enabled");
+    nothing_written(&s);
+}
+
+#[test]
+fn capture_instance_that_does_not_exist() {
+    let s = Scenario::new(3, "");
+    let text = std::fs::read_to_string(&s.wf_path).unwrap().replace("name = \"items\"", "name = \"items\"\ncapture_instance = \"dbo_other\"");
+    std::fs::write(&s.wf_path, text).unwrap();
+    expect_config_error(&s, "dbo_other");
+    nothing_written(&s);
+}
+
+#[test]
+fn unreachable_or_malformed_source_url() {
+    let s = Scenario::new(3, "");
+    let text = std::fs::read_to_string(&s.wf_path).unwrap().replace("sim://source.sqlite", "sim://missing.sqlite");
+    std::fs::write(&s.wf_path, text).unwrap();
+    expect_config_error(&s, "missing.sqlite");
+    let text = std::fs::read_to_string(&s.wf_path).unwrap().replace("sim://missing.sqlite", "ftp://host/db");
+    std::fs::write(&s.wf_path, text).unwrap();
+    expect_config_error(&s, "ftp://host/db");
+    nothing_written(&s);
+}
+
+#[test]
+fn target_that_holds_other_files() {
+    let s = Scenario::new(3, "");
+    std::fs::create_dir_all(s.path().join("facts")).unwrap();
+    std::fs::write(s.path().join("facts").join("notes.txt"), "not a table").unwrap();
+    expect_config_error(&s, "not a Delta table");
+    assert!(!s.path().join("bronze").join("_delta_log").exists(), "bronze must not be created when facts is bad");
+}
+
+#[test]
+fn stream_and_status_print_json_and_exit_0() {
+    let s = Scenario::new(5, "[snapshot]\nbootstrap = true\n");
+    let out = run(&["--workflow", s.wf_path.to_str().unwrap(), "stream"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let j = last_json(&out);
+    assert_eq!(j["step"], "stream");
+    assert_eq!(j["caught_up"], true);
+    let out = run(&["--workflow", s.wf_path.to_str().unwrap(), "status"]);
+    assert_eq!(out.status.code(), Some(0));
+    let j = last_json(&out);
+    assert_eq!(j["generation"], 0);
+    assert!(j["position"].as_str().unwrap().starts_with("0x"));
+    assert!(j["snapshot"].is_string());
+}
+
+#[test]
+fn purged_range_exits_3_naming_the_gap() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut s = Scenario::new(5, "[snapshot]\nbootstrap = true\n");
+    rt.block_on(s.stream()).unwrap();
+    s.changes(5);
+    // Four days pass without the stream; cleanup purges past its position.
+    s.db.advance_clock(chrono::Duration::days(4)).unwrap();
+    s.changes(3);
+    s.db.cleanup(None).unwrap();
+    let out = run(&["--workflow", s.wf_path.to_str().unwrap(), "stream"]);
+    let j = last_json(&out);
+    assert_eq!(out.status.code(), Some(3), "{j}");
+    assert_eq!(j["kind"], "needs_person");
+    let msg = j["error"].as_str().unwrap();
+    assert!(msg.contains("data loss") && msg.contains("0x"), "{msg}");
+}

@@ -1,0 +1,88 @@
+//! The crash drill: a crash at every commit boundary, then a rerun, must
+//! leave bronze equal to the source, no change row twice, one facts row per batch.
+
+mod common;
+
+use common::Scenario;
+use mssql_cdc::engine::FAILPOINTS;
+
+const WF: &str = "[snapshot]\nbootstrap = true\nmode = \"full\"\nparallelism = 2\n[stream]\nmax_batch_rows = 7\n";
+const WF_NO_BOOTSTRAP: &str = "[stream]\nmax_batch_rows = 7\nstart = \"earliest\"\n";
+
+/// Runs a scenario with `failpoint` firing once, then reruns to the end.
+async fn drill(failpoint: &str, workflow: &str) {
+    let mut s = Scenario::new(40, workflow);
+    if !workflow.contains("bootstrap") {
+        s.changes(4); // something captured so the stream has a min LSN
+    }
+    s.changes(10);
+    let fired = {
+        let _guard = fail::FailScenario::setup();
+        fail::cfg(failpoint, "1*return").unwrap();
+        let mut fired = false;
+        for _ in 0..5 {
+            match s.stream().await {
+                Err(e) if e.to_string().contains(failpoint) => {
+                    fired = true;
+                    break;
+                }
+                Err(e) => panic!("{failpoint}: unexpected error {e}"),
+                Ok(r) if r.caught_up => break,
+                Ok(_) => {}
+            }
+        }
+        fail::remove(failpoint);
+        fired
+    };
+    // More changes after the crash, then rerun until caught up.
+    s.changes(10);
+    s.stream_until_caught_up().await;
+    let cmp = s.verify().await;
+    assert_eq!(cmp.differences(), 0, "{failpoint}: {cmp:?}");
+    assert_eq!(s.duplicate_change_rows().await, 0, "{failpoint}: a change row twice in bronze");
+    assert_eq!(s.duplicate_batch_rows().await, 0, "{failpoint}: a batch with two facts rows");
+    assert!(s.count("facts", "event = 'bootstrap' OR event = 'stream_start'").await <= 1, "{failpoint}: two start events");
+    assert!(fired, "{failpoint} never fired: the drill did not test it");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_failpoint_in_process() {
+    for fp in FAILPOINTS {
+        let wf = if *fp == "stream.after_start" { WF_NO_BOOTSTRAP } else { WF };
+        drill(fp, wf).await;
+    }
+}
+
+/// The same crash, but the process is killed at the failpoint (abort, no unwinding, no cleanup).
+#[test]
+fn killed_process_reruns_to_the_same_result() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut s = Scenario::new(30, WF);
+    let bin = env!("CARGO_BIN_EXE_mssql-cdc");
+    let run = |fp: Option<&str>| {
+        let mut c = std::process::Command::new(bin);
+        c.arg("--workflow").arg(&s.wf_path).arg("stream").env("MSSQL_CDC_LOG", "warn");
+        if let Some(fp) = fp {
+            c.env("FAILPOINTS", format!("{fp}=return(abort)"));
+        }
+        c.output().unwrap()
+    };
+    let out = run(Some("snapshot.after_bronze"));
+    assert!(!out.status.success(), "the process should have been killed");
+    let out = run(None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    s.changes(12);
+    let out = run(Some("stream.after_bronze"));
+    assert!(!out.status.success());
+    let out = run(None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let last: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap()).unwrap();
+    assert_eq!(last["caught_up"], true, "{last}");
+    rt.block_on(async {
+        assert_eq!(s.verify().await.differences(), 0);
+        assert_eq!(s.duplicate_change_rows().await, 0);
+        assert_eq!(s.duplicate_batch_rows().await, 0);
+        assert_eq!(s.count("facts", "event = 'bootstrap'").await, 1);
+        assert_eq!(s.count("facts", "event = 'snapshot_open'").await, 1, "the killed attempt wrote the open row; the rerun found its snapshot in bronze");
+    });
+}
