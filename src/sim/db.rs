@@ -888,7 +888,8 @@ pub(crate) fn capture_due(conn: &Connection, path: &Path, cfg: &SimConfig) -> Re
         return Ok(true);
     }
     if let Some(m) = cfg.auto_cleanup_interval_minutes {
-        let last = meta_i64(conn, path, "last_cleanup_us")?.unwrap_or(i64::MIN / 2);
+        // The first interval counts from the first capture scan that saw the setting.
+        let last = meta_i64(conn, path, "last_cleanup_us")?.unwrap_or(now);
         let any_instance: bool = conn.query_row("SELECT EXISTS(SELECT 1 FROM instances)", [], |r| r.get(0)).ctx(path)?;
         if any_instance && now - last >= (m as i64) * 60_000_000 {
             return Ok(true);
@@ -1028,7 +1029,13 @@ pub(crate) fn capture_conn(conn: &mut Connection, path: &Path) -> Result<Capture
         report.mapping_rows += 1;
     }
     if let Some(m) = cfg.auto_cleanup_interval_minutes {
-        let last = meta_i64(&tx, path, "last_cleanup_us")?.unwrap_or(i64::MIN / 2);
+        let last = match meta_i64(&tx, path, "last_cleanup_us")? {
+            Some(l) => l,
+            None => {
+                meta_set(&tx, path, "last_cleanup_us", &now.to_string())?;
+                now
+            }
+        };
         if !instances.is_empty() && now - last >= (m as i64) * 60_000_000 {
             report.cleanup = Some(cleanup_tx(&tx, path, &cfg, None, None)?);
             meta_set(&tx, path, "last_cleanup_us", &now.to_string())?;

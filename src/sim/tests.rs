@@ -557,3 +557,110 @@ fn missing_or_foreign_files_are_config_errors() {
     assert!(matches!(SimSource::open(&p), Err(SourceError::Config(_))));
     assert!(matches!(SimDb::open(&p), Err(SimError::NotASimFile(..))));
 }
+
+#[tokio::test]
+async fn heaps_unique_indexes_rate_limits_and_auto_cleanup() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("h.sim");
+    let mut cfg = manual("2026-03-01T12:00:00Z", 1000);
+    cfg.conn_rows_per_s = Some(2000);
+    cfg.auto_cleanup_interval_minutes = Some(1);
+    cfg.retention_minutes = 1;
+    let db = SimDb::create(&path, cfg).unwrap();
+    let heap = TableName::new("dbo", "heap");
+    let cols = vec![ColumnDesc::new("a", SqlType::Int, true), ColumnDesc::new("b", SqlType::NVarChar { len: Some(10) }, true)];
+    db.create_table(&TableSpec { name: heap.clone(), columns: cols.clone(), primary_key: vec![], unique_index: vec![] }).unwrap();
+    let uq = TableName::new("dbo", "uq");
+    db.create_table(&TableSpec { name: uq.clone(), columns: cols.clone(), primary_key: vec!["a".into()], unique_index: vec!["b".into()] })
+        .unwrap();
+    let hci = db.enable_cdc(&heap, None, None).unwrap();
+    assert!(hci.index_columns.is_empty());
+    let (i, s) = (SqlValue::Int, |x: &str| SqlValue::Str(x.into()));
+    db.transaction(|tx| {
+        tx.insert(&heap, vec![i(1), s("x")])?;
+        tx.insert(&heap, vec![i(1), s("x")])?; // a heap takes duplicates
+        tx.insert(&heap, vec![i(2), SqlValue::Null])?;
+        tx.update(&heap, &vec![i(2)], vec![i(2), s("y")])?;
+        tx.delete(&heap, &vec![i(1), s("x")])?;
+        tx.insert(&uq, vec![i(1), s("k")])
+    })
+    .unwrap();
+    let e = db.transaction(|tx| tx.insert(&uq, vec![i(2), s("K ")])).unwrap_err();
+    assert!(matches!(e, SimError::DuplicateKey { .. }), "{e}");
+    let src = SimSource::open(&path).unwrap();
+    let info = src.table_info(&heap).await.unwrap();
+    assert!(info.unique_key.is_empty());
+    assert_eq!(src.table_info(&uq).await.unwrap().unique_key, vec!["a".to_string()]);
+    let read = |t: &TableName, keys: Vec<String>| SnapshotRead {
+        table: t.clone(),
+        columns: cols.clone(),
+        keys,
+        range: KeyRange::all(),
+        isolation: Isolation::ReadCommitted,
+        batch_rows: 100,
+    };
+    let (b, err) = collect(src.snapshot_read(&read(&heap, vec!["a".into()])).await.unwrap()).await;
+    assert!(err.is_none());
+    assert_eq!(b.iter().map(|b| b.num_rows()).sum::<usize>(), 2);
+    let max = src.max_lsn().await.unwrap().unwrap();
+    let rows = changes(&src, &hci, hci.start_lsn.unwrap(), max, RowFilter::AllUpdateOld).await;
+    assert_eq!(rows.iter().map(|r| r.op).collect::<Vec<_>>(), vec![2, 2, 2, 3, 4, 1]);
+
+    // Rate limit: 600 rows at 2000 rows/s take at least ~0.25 s after the first batch.
+    db.load_rows(&uq, (10..610).map(|n| vec![i(n), s(&format!("v{n}"))])).unwrap();
+    let started = std::time::Instant::now();
+    let (b, _) = collect(src.snapshot_read(&read(&uq, vec!["a".into()])).await.unwrap()).await;
+    assert_eq!(b.iter().map(|b| b.num_rows()).sum::<usize>(), 601);
+    assert!(started.elapsed() >= Duration::from_millis(250), "{:?}", started.elapsed());
+
+    // Auto cleanup: each commit moves the clock 1 s; after two minutes the old changes go.
+    for n in 0..3 {
+        db.transaction(|tx| tx.insert(&heap, vec![i(100 + n), SqlValue::Null])).unwrap();
+        db.advance_clock(Duration::from_secs(70)).unwrap();
+    }
+    let last = db.transaction(|tx| tx.insert(&heap, vec![i(200), SqlValue::Null])).unwrap();
+    assert_eq!(src.max_lsn().await.unwrap(), Some(last));
+    let min = src.min_lsn(&hci.name).await.unwrap().unwrap();
+    assert!(min > hci.start_lsn.unwrap() && min <= last, "{min} {last}");
+}
+
+/// Rough timings on a bigger table: `cargo test --release --lib sim::tests::big -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn big_table_timings() {
+    let n: u64 = std::env::var("SIM_BIG_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
+    let t0 = std::time::Instant::now();
+    let (_d, db, src, ci) = setup(SimConfig::default(), n);
+    eprintln!("load {n} rows: {:?}", t0.elapsed());
+    let t0 = std::time::Instant::now();
+    let keys = vec!["id".to_string()];
+    let mut lo = None;
+    let mut cuts = vec![];
+    loop {
+        match src.key_seek(&orders(), &keys, &KeyRange { lo: lo.clone(), hi: None }, n / 100, Isolation::ReadCommitted).await.unwrap() {
+            Some(k) => {
+                cuts.push(k.clone());
+                lo = Some(k);
+            }
+            None => break,
+        }
+    }
+    eprintln!("{} cuts: {:?}", cuts.len(), t0.elapsed());
+    let t0 = std::time::Instant::now();
+    let range = KeyRange { lo: Some(cuts[10].clone()), hi: Some(cuts[11].clone()) };
+    let rows = read_all(&src, &ci.columns, &["id"], range, Isolation::ReadCommitted).await.unwrap();
+    eprintln!("one chunk of {}: {:?}", rows.len(), t0.elapsed());
+    let t0 = std::time::Instant::now();
+    let all = read_all(&src, &ci.columns, &["id"], KeyRange::all(), Isolation::ReadCommitted).await.unwrap().len();
+    eprintln!("full read of {all}: {:?}", t0.elapsed());
+    let t0 = std::time::Instant::now();
+    let w = Workload { tx_per_s: 0.0, ..Workload::default() };
+    let r = w.run(&db, &orders(), Until::Transactions(2000), Arc::new(AtomicBool::new(false))).unwrap();
+    eprintln!("2000 tx: {:?} ({:?})", t0.elapsed(), r);
+    let t0 = std::time::Instant::now();
+    let max = src.max_lsn().await.unwrap().unwrap();
+    eprintln!("capture: {:?}", t0.elapsed());
+    let t0 = std::time::Instant::now();
+    let c = changes(&src, &ci, ci.start_lsn.unwrap(), max, RowFilter::All).await.len();
+    eprintln!("{c} changes: {:?}", t0.elapsed());
+}
