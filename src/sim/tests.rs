@@ -664,3 +664,17 @@ async fn big_table_timings() {
     let c = changes(&src, &ci, ci.start_lsn.unwrap(), max, RowFilter::All).await.len();
     eprintln!("{c} changes: {:?}", t0.elapsed());
 }
+
+#[tokio::test]
+async fn workloads_are_deterministic_with_the_manual_clock() {
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let (_d, db, src, ci) = setup(manual("2026-03-01T12:00:00Z", 10), 50);
+        let w = Workload { tx_per_s: 0.0, ops_per_tx: 3, seed: 42, ..Workload::default() };
+        let r = w.run(&db, &orders(), Until::Transactions(40), Arc::new(AtomicBool::new(false))).unwrap();
+        assert!(r.inserts > 0 && r.updates > 0 && r.deletes > 0 && r.key_updates > 0, "{r:?}");
+        let max = src.max_lsn().await.unwrap().unwrap();
+        seen.push(changes(&src, &ci, ci.start_lsn.unwrap(), max, RowFilter::AllUpdateOld).await);
+    }
+    assert_eq!(seen[0], seen[1]);
+}
