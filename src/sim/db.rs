@@ -1204,6 +1204,11 @@ impl SimDb {
         format!("sim://{}", self.path.display())
     }
 
+    /// A [`super::SimSource`] reading this file.
+    pub fn source(&self) -> std::result::Result<super::SimSource, SourceError> {
+        super::SimSource::open(&self.path)
+    }
+
     fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
     }
