@@ -1,0 +1,46 @@
+//! An embedded SQL Server CDC simulator, addressed as `sim://PATH`.
+//!
+//! The whole simulated server lives in one SQLite file (WAL mode), so a
+//! writer process, the workflow's steps and the tests can share it, each
+//! with real transactions. It models what a CDC reader can observe:
+//!
+//! - **Writes** ([`SimDb::transaction`]) change the source tables at once and
+//!   append the transaction to a pending log with its commit LSN, begin LSN,
+//!   per-operation seqvals and command ids, and its commit time from the
+//!   simulator's clock ([`Clock`]: the wall clock or a manual one).
+//! - **The capture job** ([`SimDb::capture`], also run at the start of every
+//!   [`SimSource`] call) moves pending transactions older than the capture lag
+//!   into the change tables and `lsn_time_mapping`, strictly in LSN order, in
+//!   one SQLite transaction. Key-changing updates become a delete/insert pair
+//!   sharing a seqval; other updates a before/after pair. Mapping times are
+//!   server-local `datetime` values (the configured zone, DST included, on the
+//!   1/300 s grid).
+//! - **Cleanup** ([`SimDb::cleanup`]) moves each instance's validity start up
+//!   to the retention watermark and purges change and mapping rows below it.
+//! - **Reads** go through [`SimSource`], the [`crate::source::CdcSource`]
+//!   implementation: consistent streamed snapshots over a memcomparable key
+//!   index ([`keys`]), the all-changes function with its error 313, time/LSN
+//!   mapping, SNAPSHOT refused unless allowed (error 3952), optional latency,
+//!   per-stream row rate limits and injected connection faults.
+//! - **Schema changes**: added columns are ignored by existing capture
+//!   instances; dropped captured columns read as NULL; at most two instances
+//!   per table.
+//!
+//! [`workload`] drives a random transactional workload and provides the
+//! `orders` demo table; [`cli`] is the `mssql-cdc sim ...` subcommand.
+
+pub mod cli;
+pub mod db;
+pub mod keys;
+pub mod source;
+pub mod workload;
+
+pub use cli::{run, SimCommand};
+pub use db::{
+    parse_zone, CaptureReport, CleanupReport, Clock, FaultOn, FaultSpec, SimConfig, SimDb, SimError, SimTx, TableSpec,
+};
+pub use source::SimSource;
+pub use workload::{orders_rows, orders_table_spec, Mix, Until, Workload, WorkloadReport};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,737 @@
+//! [`SimSource`]: the [`CdcSource`] over a simulator file.
+//!
+//! Every call opens its own SQLite connection on a blocking thread, sleeps the
+//! configured latency, and first runs a capture scan if one is due (standing
+//! in for SQL Server's continuously running capture job). Streams read inside
+//! one SQLite read transaction (a consistent snapshot taken before the call
+//! returns), page by page in key order, and hand batches over a small bounded
+//! channel, so memory stays flat however large the read.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use chrono::NaiveDateTime;
+use deltalake::arrow::record_batch::RecordBatch;
+use futures::StreamExt;
+use rusqlite::{params, Connection, OptionalExtension};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::lsn::Lsn;
+use crate::source::{
+    BatchStream, CaptureInstance, CdcSource, ChangeBatchBuilder, ChangeRow, Isolation, KeyRange, RowFilter, ServerZone, SnapshotRead,
+    SourceError, TableInfo, TableName, TimeOp,
+};
+use crate::types::{key_cmp, BatchBuilder, Key, SqlType, SqlValue};
+
+use super::db::{self, FaultOn, SimConfig, SimError, SqlCtx, TableMeta};
+use super::keys;
+
+/// Rows one SQLite page query returns.
+const PAGE_ROWS: i64 = 2000;
+
+/// A simulator file as a CDC source (`sim://PATH`).
+#[derive(Debug, Clone)]
+pub struct SimSource {
+    path: PathBuf,
+}
+
+impl SimSource {
+    /// Opens a simulator file; a `Config` error naming the path when it is
+    /// missing or not a simulator database.
+    pub fn open(path: &Path) -> Result<SimSource, SourceError> {
+        db::open_conn(path).map_err(|e| SourceError::Config(format!("cannot open sim://{}: {e}", path.display())))?;
+        Ok(SimSource { path: path.to_path_buf() })
+    }
+
+    /// Opens `sim://PATH`.
+    pub fn from_url(url: &str) -> Result<SimSource, SourceError> {
+        let p = url
+            .strip_prefix("sim://")
+            .ok_or_else(|| SourceError::Config(format!("'{url}' is not a simulator URL; write sim://PATH")))?;
+        SimSource::open(Path::new(p))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn url(&self) -> String {
+        format!("sim://{}", self.path.display())
+    }
+
+    /// Runs `f` on a fresh connection on a blocking thread, after the latency and a capture scan.
+    async fn call<T, F>(&self, f: F) -> Result<T, SourceError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Connection, &Path, &SimConfig) -> Result<T, SourceError> + Send + 'static,
+    {
+        let path = self.path.clone();
+        tokio::task::spawn_blocking(move || {
+            let (mut conn, cfg) = prepare(&path).map_err(|e| map_err(&path, e))?;
+            f(&mut conn, &path, &cfg)
+        })
+        .await
+        .map_err(|e| SourceError::Other(format!("simulator task failed: {e}")))?
+    }
+
+    /// Runs a streaming read: `body` runs inside one read transaction and
+    /// feeds the returned stream through `Sink`.
+    async fn stream<F>(&self, on: FaultOn, batch_rows: usize, body: F) -> Result<BatchStream, SourceError>
+    where
+        F: FnOnce(&Connection, &Path, &SimConfig, &mut Sink) -> Result<(), SourceError> + Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel::<Result<RecordBatch, SourceError>>(2);
+        let (rtx, rrx) = oneshot::channel::<Result<(), SourceError>>();
+        let path = self.path.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut sink = Sink {
+                ready: Some(rtx),
+                tx,
+                batch_rows: batch_rows.max(1),
+                fault_after: None,
+                rate: None,
+                started: Instant::now(),
+                sent: 0,
+                what: on,
+            };
+            let res = (|| -> Result<(), SourceError> {
+                let (mut conn, cfg) = prepare(&path).map_err(|e| map_err(&path, e))?;
+                sink.fault_after = db::take_fault(&mut conn, &path, on).map_err(|e| map_err(&path, e))?;
+                sink.rate = cfg.conn_rows_per_s.filter(|r| *r > 0);
+                conn.execute_batch("BEGIN DEFERRED").ctx(&path).map_err(|e| map_err(&path, e))?;
+                let r = body(&conn, &path, &cfg, &mut sink);
+                let _ = conn.execute_batch("COMMIT");
+                r
+            })();
+            match res {
+                Err(e) => match sink.ready.take() {
+                    Some(r) => {
+                        let _ = r.send(Err(e));
+                    }
+                    None => {
+                        let _ = sink.tx.blocking_send(Err(e));
+                    }
+                },
+                Ok(()) => sink.signal_ready(),
+            }
+        });
+        match rrx.await {
+            Ok(Ok(())) => Ok(futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) }).boxed()),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(SourceError::Other("the simulator's reader thread ended before starting the read".into())),
+        }
+    }
+}
+
+/// Opens a connection, sleeps the configured latency and runs a due capture scan.
+fn prepare(path: &Path) -> Result<(Connection, SimConfig), SimError> {
+    let mut conn = db::open_conn(path)?;
+    let cfg = db::load_config(&conn, path)?;
+    if cfg.query_latency_ms > 0 {
+        std::thread::sleep(Duration::from_millis(cfg.query_latency_ms));
+    }
+    db::capture_if_due(&mut conn, path)?;
+    Ok((conn, cfg))
+}
+
+fn map_err(path: &Path, e: SimError) -> SourceError {
+    match e {
+        SimError::NoSuchTable(t) => SourceError::Config(format!("table {t} does not exist in sim://{}", path.display())),
+        SimError::NotASimFile(..) => SourceError::Config(e.to_string()),
+        other => other.into(),
+    }
+}
+
+fn sql_err(path: &Path) -> impl Fn(rusqlite::Error) -> SourceError + '_ {
+    move |source| map_err(path, SimError::Sqlite { path: path.display().to_string(), source })
+}
+
+fn check_isolation(cfg: &SimConfig, iso: Isolation, path: &Path) -> Result<(), SourceError> {
+    if iso == Isolation::Snapshot && !cfg.allow_snapshot_isolation {
+        return Err(SourceError::Config(format!(
+            "SNAPSHOT isolation is not allowed in the database sim://{} (SQL Server error 3952). Allow it with \
+             `mssql-cdc sim alter --db {} --set allow_snapshot_isolation=true` (on a real server: \
+             ALTER DATABASE <db> SET ALLOW_SNAPSHOT_ISOLATION ON), or choose read-committed isolation",
+            path.display(),
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
+/// The hand-over point between a reader thread and its stream.
+struct Sink {
+    ready: Option<oneshot::Sender<Result<(), SourceError>>>,
+    tx: mpsc::Sender<Result<RecordBatch, SourceError>>,
+    batch_rows: usize,
+    fault_after: Option<u64>,
+    rate: Option<u64>,
+    started: Instant,
+    sent: u64,
+    what: FaultOn,
+}
+
+impl Sink {
+    fn signal_ready(&mut self) {
+        if let Some(r) = self.ready.take() {
+            let _ = r.send(Ok(()));
+        }
+    }
+
+    /// Sends a batch; false when the reader went away.
+    fn send(&mut self, batch: RecordBatch) -> bool {
+        let n = batch.num_rows() as u64;
+        if self.tx.blocking_send(Ok(batch)).is_err() {
+            return false;
+        }
+        self.sent += n;
+        if let Some(rate) = self.rate {
+            let due = Duration::from_secs_f64(self.sent as f64 / rate as f64);
+            let spent = self.started.elapsed();
+            if due > spent {
+                std::thread::sleep(due - spent);
+            }
+        }
+        true
+    }
+
+    fn fail(&mut self) {
+        let what = match self.what {
+            FaultOn::Snapshot => "snapshot read",
+            FaultOn::Changes => "change read",
+            FaultOn::Any => "read",
+        };
+        let _ = self.tx.blocking_send(Err(SourceError::Transient(format!(
+            "connection dropped (simulated fault) during a {what} after {} rows",
+            self.fault_after.unwrap_or(0)
+        ))));
+    }
+}
+
+/// Row builders a stream can fill.
+trait Rows {
+    type Row;
+    fn push_row(&mut self, r: &Self::Row) -> Result<(), SourceError>;
+    fn rows(&self) -> usize;
+    fn finish_batch(&mut self) -> RecordBatch;
+}
+
+impl Rows for BatchBuilder {
+    type Row = Vec<SqlValue>;
+    fn push_row(&mut self, r: &Vec<SqlValue>) -> Result<(), SourceError> {
+        self.push(r).map_err(SourceError::from)
+    }
+    fn rows(&self) -> usize {
+        self.len()
+    }
+    fn finish_batch(&mut self) -> RecordBatch {
+        self.finish()
+    }
+}
+
+impl Rows for ChangeBatchBuilder {
+    type Row = ChangeRow;
+    fn push_row(&mut self, r: &ChangeRow) -> Result<(), SourceError> {
+        self.push(r)
+    }
+    fn rows(&self) -> usize {
+        self.len()
+    }
+    fn finish_batch(&mut self) -> RecordBatch {
+        self.finish()
+    }
+}
+
+/// Cuts rows into batches, applies an armed fault, and stops when the reader goes away.
+struct Emitter<'s, B: Rows> {
+    sink: &'s mut Sink,
+    b: B,
+    delivered: u64,
+    stopped: bool,
+}
+
+impl<'s, B: Rows> Emitter<'s, B> {
+    /// Starts emitting; the call that opened the stream returns now.
+    fn new(sink: &'s mut Sink, b: B) -> Self {
+        sink.signal_ready();
+        Emitter { sink, b, delivered: 0, stopped: false }
+    }
+
+    /// Adds a row; false when the stream must end.
+    fn push(&mut self, row: &B::Row) -> Result<bool, SourceError> {
+        if self.stopped {
+            return Ok(false);
+        }
+        if self.sink.fault_after == Some(self.delivered) {
+            self.flush();
+            self.sink.fail();
+            self.stopped = true;
+            return Ok(false);
+        }
+        self.b.push_row(row)?;
+        self.delivered += 1;
+        if self.b.rows() >= self.sink.batch_rows && !self.flush() {
+            self.stopped = true;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    fn flush(&mut self) -> bool {
+        if self.b.rows() == 0 {
+            return true;
+        }
+        let batch = self.b.finish_batch();
+        self.sink.send(batch)
+    }
+
+    fn finish(mut self) {
+        if self.stopped {
+            return;
+        }
+        if self.flush() && self.sink.fault_after.is_some() {
+            // The read held fewer rows than the fault waits for: it fails at the end.
+            self.sink.fail();
+        }
+    }
+}
+
+/// How a key range maps onto the sorted row index.
+struct RangePlan {
+    /// Lower byte bound (inclusive); empty = none.
+    lo: Vec<u8>,
+    /// Upper byte bound (exclusive).
+    hi: Option<Vec<u8>>,
+    /// True when the byte range holds exactly the rows of the key range (no Rust filter needed).
+    exact: bool,
+    /// True when the index orders rows by the requested keys.
+    ordered: bool,
+}
+
+fn plan_range(t: &TableMeta, key_pos: &[usize], range: &KeyRange) -> RangePlan {
+    let prefix = !key_pos.is_empty() && key_pos.len() <= t.key_cols.len() && key_pos == &t.key_cols[..key_pos.len()];
+    let nullable = key_pos.iter().any(|&i| t.spec.columns[i].nullable);
+    if !prefix || (nullable && range.lo.is_none() && range.hi.is_some()) {
+        return RangePlan { lo: vec![], hi: None, exact: false, ordered: prefix };
+    }
+    let types: Vec<&SqlType> = key_pos.iter().map(|&i| &t.spec.columns[i].sql_type).collect();
+    let canonical = |k: &Key| {
+        k.len() == types.len() && k.iter().zip(&types).all(|(v, ty)| db::coerce_value(v.clone(), ty).map(|c| c == *v).unwrap_or(false))
+    };
+    let exact = !nullable && range.lo.as_ref().is_none_or(|k| canonical(k)) && range.hi.as_ref().is_none_or(|k| canonical(k));
+    let lo = range.lo.as_ref().map(|k| keys::encode_key(&types, k)).unwrap_or_default();
+    let hi = range.hi.as_ref().and_then(|k| {
+        let e = keys::encode_key(&types, k);
+        if exact {
+            Some(e)
+        } else {
+            keys::prefix_successor(&e)
+        }
+    });
+    RangePlan { lo, hi, exact, ordered: true }
+}
+
+/// Visits the rows of a table within a byte range, in index order, page by
+/// page; `f` returns false to stop.
+fn scan_rows(
+    conn: &Connection,
+    path: &Path,
+    t: &TableMeta,
+    plan: &RangePlan,
+    mut f: impl FnMut(Vec<SqlValue>) -> Result<bool, SourceError>,
+) -> Result<(), SourceError> {
+    let first = "SELECT sk, data FROM rows WHERE table_id = ?1 AND sk >= ?2 AND (?3 IS NULL OR sk < ?3) ORDER BY sk LIMIT ?4";
+    let next = "SELECT sk, data FROM rows WHERE table_id = ?1 AND sk > ?2 AND (?3 IS NULL OR sk < ?3) ORDER BY sk LIMIT ?4";
+    let mut cursor: Option<Vec<u8>> = None;
+    loop {
+        let mut st = conn.prepare_cached(if cursor.is_some() { next } else { first }).map_err(sql_err(path))?;
+        let from = cursor.clone().unwrap_or_else(|| plan.lo.clone());
+        let page: Vec<(Vec<u8>, String)> = st
+            .query_map(params![t.id, from, plan.hi, PAGE_ROWS], |r| Ok((r.get(0)?, r.get(1)?)))
+            .map_err(sql_err(path))?
+            .collect::<rusqlite::Result<_>>()
+            .map_err(sql_err(path))?;
+        let n = page.len() as i64;
+        for (sk, data) in page {
+            let row = t.decode_row(&data).map_err(|e| map_err(path, e))?;
+            cursor = Some(sk);
+            if !f(row)? {
+                return Ok(());
+            }
+        }
+        if n < PAGE_ROWS {
+            return Ok(());
+        }
+    }
+}
+
+fn key_positions(t: &TableMeta, keys: &[String]) -> Result<Vec<usize>, SourceError> {
+    keys.iter()
+        .map(|k| {
+            t.column_index(k).ok_or_else(|| SourceError::Config(format!("table {} has no column '{k}' to cut ranges on", t.spec.name)))
+        })
+        .collect()
+}
+
+fn table(conn: &Connection, path: &Path, name: &TableName) -> Result<TableMeta, SourceError> {
+    db::find_table(conn, path, name).map_err(|e| map_err(path, e))
+}
+
+fn lsn_of(b: Vec<u8>, path: &Path) -> Result<Lsn, SourceError> {
+    db::lsn_from_blob(b).map_err(|e| map_err(path, e))
+}
+
+#[async_trait]
+impl CdcSource for SimSource {
+    fn describe(&self) -> String {
+        self.url()
+    }
+
+    async fn max_lsn(&self) -> Result<Option<Lsn>, SourceError> {
+        self.call(|c, p, _| db::max_lsn(c, p).map_err(|e| map_err(p, e))).await
+    }
+
+    async fn min_lsn(&self, capture_instance: &str) -> Result<Option<Lsn>, SourceError> {
+        let name = capture_instance.to_string();
+        self.call(move |c, p, _| {
+            let i = db::find_instance(c, p, &name).map_err(|e| map_err(p, e))?;
+            Ok(i.and_then(|i| i.info.start_lsn).filter(|l| !l.is_zero()))
+        })
+        .await
+    }
+
+    async fn increment_lsn(&self, lsn: Lsn) -> Result<Lsn, SourceError> {
+        Ok(lsn.increment())
+    }
+
+    async fn decrement_lsn(&self, lsn: Lsn) -> Result<Lsn, SourceError> {
+        Ok(lsn.decrement())
+    }
+
+    async fn table_info(&self, table: &TableName) -> Result<TableInfo, SourceError> {
+        let name = table.clone();
+        self.call(move |c, p, _| {
+            let t = self::table(c, p, &name)?;
+            Ok(TableInfo { name: t.spec.name.clone(), unique_key: t.unique_key(), columns: t.spec.columns })
+        })
+        .await
+    }
+
+    async fn capture_instances(&self, table: &TableName) -> Result<Vec<CaptureInstance>, SourceError> {
+        let name = table.clone();
+        self.call(move |c, p, _| {
+            let t = self::table(c, p, &name)?;
+            Ok(db::load_instances(c, p, Some(t.id)).map_err(|e| map_err(p, e))?.into_iter().map(|i| i.info).collect())
+        })
+        .await
+    }
+
+    async fn changes(
+        &self,
+        capture_instance: &CaptureInstance,
+        from: Lsn,
+        to: Lsn,
+        filter: RowFilter,
+        batch_rows: usize,
+    ) -> Result<BatchStream, SourceError> {
+        let name = capture_instance.name.clone();
+        self.stream(FaultOn::Changes, batch_rows, move |conn, path, _cfg, sink| {
+            let inst = db::find_instance(conn, path, &name)
+                .map_err(|e| map_err(path, e))?
+                .ok_or_else(|| SourceError::Config(format!("capture instance '{name}' does not exist in sim://{}", path.display())))?;
+            let unavailable = |reason: String| SourceError::RangeUnavailable { capture_instance: name.clone(), from, to, reason };
+            let max = db::max_lsn(conn, path).map_err(|e| map_err(path, e))?;
+            let Some(min) = inst.info.start_lsn else {
+                return Err(unavailable("the instance's validity interval has no start yet".into()));
+            };
+            let Some(max) = max else {
+                return Err(unavailable("the capture job has not recorded any LSN yet (max LSN is NULL)".into()));
+            };
+            if from > to {
+                return Err(unavailable(format!("from {from} is above to {to}")));
+            }
+            if from < min {
+                return Err(unavailable(format!("from {from} is below the instance's min LSN {min} (cleanup removed older changes)")));
+            }
+            if to > max {
+                return Err(unavailable(format!("to {to} is above the max LSN {max}")));
+            }
+            let columns = inst.info.columns.clone();
+            let mut em = Emitter::new(sink, ChangeBatchBuilder::new(&columns));
+            let sql = format!(
+                "SELECT c.start_lsn, c.command_id, c.seqval, c.operation, c.data, m.tran_end_ticks
+                 FROM changes c LEFT JOIN lsn_time_mapping m ON m.start_lsn = c.start_lsn
+                 WHERE c.instance_id = ?1 AND (c.start_lsn, c.command_id, c.seqval, c.operation) > (?2, ?3, ?4, ?5)
+                   AND c.start_lsn <= ?6 {}
+                 ORDER BY c.start_lsn, c.command_id, c.seqval, c.operation LIMIT ?7",
+                if filter == RowFilter::All { "AND c.operation <> 3" } else { "" }
+            );
+            let mut cur: (Vec<u8>, i64, Vec<u8>, i64) = (from.0.to_vec(), i64::MIN, Vec::new(), i64::MIN);
+            loop {
+                let mut st = conn.prepare_cached(&sql).map_err(sql_err(path))?;
+                type Raw = (Vec<u8>, i64, Vec<u8>, i64, String, Option<i64>);
+                let page: Vec<Raw> = st
+                    .query_map(params![inst.id, cur.0, cur.1, cur.2, cur.3, to.0.to_vec(), PAGE_ROWS], |r| {
+                        Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?))
+                    })
+                    .map_err(sql_err(path))?
+                    .collect::<rusqlite::Result<_>>()
+                    .map_err(sql_err(path))?;
+                let n = page.len() as i64;
+                for (start, cmd, seq, op, data, end) in page {
+                    let values: Vec<SqlValue> = serde_json::from_str(&data)
+                        .map_err(|e| SourceError::Other(format!("malformed change row in sim://{}: {e}", path.display())))?;
+                    let row = ChangeRow {
+                        start_lsn: lsn_of(start.clone(), path)?,
+                        seqval: lsn_of(seq.clone(), path)?,
+                        operation: op as i32,
+                        command_id: Some(cmd as i32),
+                        tran_end_time: end.map(db::from_ticks),
+                        values,
+                    };
+                    cur = (start, cmd, seq, op);
+                    if !em.push(&row)? {
+                        return Ok(());
+                    }
+                }
+                if n < PAGE_ROWS {
+                    break;
+                }
+            }
+            em.finish();
+            Ok(())
+        })
+        .await
+    }
+
+    async fn snapshot_read(&self, read: &SnapshotRead) -> Result<BatchStream, SourceError> {
+        let read = read.clone();
+        self.stream(FaultOn::Snapshot, read.batch_rows, move |conn, path, cfg, sink| {
+            check_isolation(cfg, read.isolation, path)?;
+            let t = self::table(conn, path, &read.table)?;
+            let cols: Vec<Option<usize>> = read.columns.iter().map(|c| t.column_index(&c.name)).collect();
+            let key_pos = key_positions(&t, &read.keys)?;
+            let plan = plan_range(&t, &key_pos, &read.range);
+            let mut em = Emitter::new(sink, BatchBuilder::new(&read.columns));
+            let mut stopped = false;
+            scan_rows(conn, path, &t, &plan, |row| {
+                if !plan.exact {
+                    let key: Vec<SqlValue> = key_pos.iter().map(|&i| row[i].clone()).collect();
+                    if !read.range.contains(&key) {
+                        return Ok(true);
+                    }
+                }
+                let out: Vec<SqlValue> = cols.iter().map(|c| c.map(|i| row[i].clone()).unwrap_or(SqlValue::Null)).collect();
+                let go = em.push(&out)?;
+                stopped = !go;
+                Ok(go)
+            })?;
+            if !stopped {
+                em.finish();
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn key_extent(&self, table: &TableName, keys: &[String], isolation: Isolation) -> Result<Option<(Key, Key)>, SourceError> {
+        let (name, keys) = (table.clone(), keys.to_vec());
+        self.call(move |c, p, cfg| {
+            check_isolation(cfg, isolation, p)?;
+            let tx = c.transaction().map_err(sql_err(p))?;
+            let t = self::table(&tx, p, &name)?;
+            let key_pos = key_positions(&t, &keys)?;
+            let nullable = key_pos.iter().any(|&i| t.spec.columns[i].nullable);
+            let plan = plan_range(&t, &key_pos, &KeyRange::all());
+            let extract = |row: &[SqlValue]| -> Key { key_pos.iter().map(|&i| row[i].clone()).collect() };
+            if plan.ordered && !nullable {
+                let q = |dir: &str| -> Result<Option<Key>, SourceError> {
+                    let d: Option<String> = tx
+                        .query_row(&format!("SELECT data FROM rows WHERE table_id = ?1 ORDER BY sk {dir} LIMIT 1"), [t.id], |r| r.get(0))
+                        .optional()
+                        .map_err(sql_err(p))?;
+                    d.map(|d| t.decode_row(&d).map(|r| extract(&r)).map_err(|e| map_err(p, e))).transpose()
+                };
+                return Ok(match (q("ASC")?, q("DESC")?) {
+                    (Some(a), Some(b)) => Some((a, b)),
+                    _ => None,
+                });
+            }
+            let mut ext: Option<(Key, Key)> = None;
+            scan_rows(&tx, p, &t, &plan, |row| {
+                let k = extract(&row);
+                if k.iter().any(SqlValue::is_null) {
+                    return Ok(true);
+                }
+                ext = Some(match ext.take() {
+                    None => (k.clone(), k),
+                    Some((lo, hi)) => {
+                        let lo = if key_cmp(&k, &lo).is_lt() { k.clone() } else { lo };
+                        let hi = if key_cmp(&k, &hi).is_gt() { k } else { hi };
+                        (lo, hi)
+                    }
+                });
+                Ok(true)
+            })?;
+            Ok(ext)
+        })
+        .await
+    }
+
+    async fn slice_counts(
+        &self,
+        table: &TableName,
+        key: &str,
+        lo: i64,
+        hi: i64,
+        width: i64,
+        isolation: Isolation,
+    ) -> Result<Vec<(i64, u64)>, SourceError> {
+        let (name, key) = (table.clone(), key.to_string());
+        self.call(move |c, p, cfg| {
+            check_isolation(cfg, isolation, p)?;
+            if width <= 0 {
+                return Err(SourceError::Config(format!("slice width must be positive, got {width}")));
+            }
+            let tx = c.transaction().map_err(sql_err(p))?;
+            let t = self::table(&tx, p, &name)?;
+            let pos = key_positions(&t, std::slice::from_ref(&key))?[0];
+            if !t.spec.columns[pos].sql_type.is_integer() {
+                return Err(SourceError::Config(format!("column '{key}' of {} is not an integer column", t.spec.name)));
+            }
+            let mut counts: std::collections::BTreeMap<i64, u64> = Default::default();
+            let mut add = |v: i64| {
+                if v >= lo && v <= hi {
+                    let i = (v as i128 - lo as i128) / width as i128;
+                    let start = (lo as i128 + i * width as i128) as i64;
+                    *counts.entry(start).or_default() += 1;
+                }
+            };
+            if hi < lo {
+                return Ok(vec![]);
+            }
+            if t.key_cols.first() == Some(&pos) {
+                // The leading key column: count straight from the index keys.
+                let ty = &t.spec.columns[pos].sql_type;
+                let from = keys::encode_key(&[ty], &[SqlValue::Int(lo)]);
+                let to = keys::prefix_successor(&keys::encode_key(&[ty], &[SqlValue::Int(hi)]));
+                let mut st = tx
+                    .prepare("SELECT sk FROM rows WHERE table_id = ?1 AND sk >= ?2 AND (?3 IS NULL OR sk < ?3)")
+                    .map_err(sql_err(p))?;
+                let mut rows = st.query(params![t.id, from, to]).map_err(sql_err(p))?;
+                while let Some(r) = rows.next().map_err(sql_err(p))? {
+                    let sk: Vec<u8> = r.get(0).map_err(sql_err(p))?;
+                    if let Some(v) = keys::decode_leading_int(&sk) {
+                        add(v);
+                    }
+                }
+            } else {
+                let plan = RangePlan { lo: vec![], hi: None, exact: false, ordered: false };
+                scan_rows(&tx, p, &t, &plan, |row| {
+                    if let SqlValue::Int(v) = row[pos] {
+                        add(v);
+                    }
+                    Ok(true)
+                })?;
+            }
+            Ok(counts.into_iter().collect())
+        })
+        .await
+    }
+
+    async fn key_seek(&self, table: &TableName, keys: &[String], range: &KeyRange, n: u64, isolation: Isolation) -> Result<Option<Key>, SourceError> {
+        let (name, keys, range) = (table.clone(), keys.to_vec(), range.clone());
+        self.call(move |c, p, cfg| {
+            check_isolation(cfg, isolation, p)?;
+            let tx = c.transaction().map_err(sql_err(p))?;
+            let t = self::table(&tx, p, &name)?;
+            let key_pos = key_positions(&t, &keys)?;
+            let plan = plan_range(&t, &key_pos, &range);
+            let extract = |row: &[SqlValue]| -> Key { key_pos.iter().map(|&i| row[i].clone()).collect() };
+            if plan.exact {
+                let d: Option<String> = tx
+                    .query_row(
+                        "SELECT data FROM rows WHERE table_id = ?1 AND sk >= ?2 AND (?3 IS NULL OR sk < ?3) ORDER BY sk LIMIT 1 OFFSET ?4",
+                        params![t.id, plan.lo, plan.hi, n.min(i64::MAX as u64) as i64],
+                        |r| r.get(0),
+                    )
+                    .optional()
+                    .map_err(sql_err(p))?;
+                return d.map(|d| t.decode_row(&d).map(|r| extract(&r)).map_err(|e| map_err(p, e))).transpose();
+            }
+            if plan.ordered {
+                let mut seen = 0u64;
+                let mut found = None;
+                scan_rows(&tx, p, &t, &plan, |row| {
+                    let k = extract(&row);
+                    if !range.contains(&k) {
+                        return Ok(true);
+                    }
+                    if seen == n {
+                        found = Some(k);
+                        return Ok(false);
+                    }
+                    seen += 1;
+                    Ok(true)
+                })?;
+                return Ok(found);
+            }
+            let mut all: Vec<Key> = Vec::new();
+            scan_rows(&tx, p, &t, &plan, |row| {
+                let k = extract(&row);
+                if range.contains(&k) {
+                    all.push(k);
+                }
+                Ok(true)
+            })?;
+            let n = n as usize;
+            if n >= all.len() {
+                return Ok(None);
+            }
+            let (_, k, _) = all.select_nth_unstable_by(n, |a, b| key_cmp(a, b));
+            Ok(Some(k.clone()))
+        })
+        .await
+    }
+
+    async fn row_estimate(&self, table: &TableName) -> Result<u64, SourceError> {
+        let name = table.clone();
+        self.call(move |c, p, _| {
+            let t = self::table(c, p, &name)?;
+            let n: i64 = c.query_row("SELECT count(*) FROM rows WHERE table_id = ?1", [t.id], |r| r.get(0)).map_err(sql_err(p))?;
+            Ok(n as u64)
+        })
+        .await
+    }
+
+    async fn time_to_lsn(&self, op: TimeOp, local_time: NaiveDateTime) -> Result<Option<Lsn>, SourceError> {
+        self.call(move |c, p, _| {
+            let ticks = db::to_ticks(local_time);
+            let sql = match op {
+                TimeOp::LargestLessThan => "SELECT max(start_lsn) FROM lsn_time_mapping WHERE tran_end_ticks < ?1",
+                TimeOp::LargestLessThanOrEqual => "SELECT max(start_lsn) FROM lsn_time_mapping WHERE tran_end_ticks <= ?1",
+                TimeOp::SmallestGreaterThan => "SELECT min(start_lsn) FROM lsn_time_mapping WHERE tran_end_ticks > ?1",
+                TimeOp::SmallestGreaterThanOrEqual => "SELECT min(start_lsn) FROM lsn_time_mapping WHERE tran_end_ticks >= ?1",
+            };
+            let b: Option<Vec<u8>> = c.query_row(sql, [ticks], |r| r.get(0)).map_err(sql_err(p))?;
+            b.map(|b| lsn_of(b, p)).transpose()
+        })
+        .await
+    }
+
+    async fn lsn_to_time(&self, lsn: Lsn) -> Result<Option<NaiveDateTime>, SourceError> {
+        self.call(move |c, p, _| {
+            let t: Option<i64> = c
+                .query_row("SELECT tran_end_ticks FROM lsn_time_mapping WHERE start_lsn = ?1", [lsn.0.to_vec()], |r| r.get(0))
+                .optional()
+                .map_err(sql_err(p))?;
+            Ok(t.map(db::from_ticks))
+        })
+        .await
+    }
+
+    async fn server_time_zone(&self) -> Result<ServerZone, SourceError> {
+        self.call(|_, p, cfg| cfg.zone().map_err(|e| map_err(p, e))).await
+    }
+}
