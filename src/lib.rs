@@ -2,5 +2,6 @@
 //! durable workflow of idempotent steps. See docs/ARCHITECTURE.md for the map.
 
 pub mod lsn;
+pub mod mssql;
 pub mod source;
 pub mod types;
