@@ -68,6 +68,12 @@ pub struct MssqlSource {
     inner: Arc<Inner>,
 }
 
+impl std::fmt::Debug for MssqlSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MssqlSource({})", self.inner.cfg)
+    }
+}
+
 /// A statement failure before classification, so callers can look at the server's code.
 enum Fail {
     Tds(tiberius::error::Error),
@@ -105,44 +111,44 @@ impl From<SourceError> for Fail {
 fn map_error(e: tiberius::error::Error, ctx: &Ctx) -> SourceError {
     use tiberius::error::Error as E;
     match &e {
-        E::Server(t) => {
-            let msg = t.message().to_string();
-            match t.code() {
-                18456 | 18452 | 18486 | 18487 | 18488 => SourceError::Permission(format!(
-                    "SQL Server refused the login (error {}): check the user name in the URL and the password in {PASSWORD_ENV}; {msg}",
-                    t.code()
-                )),
-                229 | 230 | 262 | 297 | 300 | 916 => {
-                    SourceError::Permission(format!("SQL Server error {}: {msg} (see docs/sqlserver.md for the grants the reader needs)", t.code()))
-                }
-                313 => match &ctx.range {
-                    Some((ci, from, to)) => SourceError::RangeUnavailable {
-                        capture_instance: ci.clone(),
-                        from: *from,
-                        to: *to,
-                        reason: msg,
-                    },
-                    None => SourceError::Other(format!("SQL Server error 313: {msg}")),
-                },
-                3952 => SourceError::Config(format!(
-                    "SNAPSHOT isolation is not allowed in this database (error 3952): run \
-                     ALTER DATABASE <db> SET ALLOW_SNAPSHOT_ISOLATION ON, or choose read-committed isolation; server: {msg}"
-                )),
-                208 => SourceError::Config(format!(
-                    "an object this source reads does not exist or the login cannot see it (error 208): {msg}; \
-                     check the table name, that CDC is enabled on the database and table, and the grants in docs/sqlserver.md"
-                )),
-                4060 => SourceError::Config(format!("cannot open the database named in the URL (error 4060): {msg}")),
-                1205 | 1222 | 701 | 8645 | 233 | 10053 | 10054 | 10060 | 64 | 121 | 4221 | 40197 | 40501 | 40613 | 49918 | 49919
-                | 49920 | 10928 | 10929 | 40143 | 40540 => SourceError::Transient(format!("SQL Server error {}: {msg}", t.code())),
-                code => SourceError::Other(format!("SQL Server error {code}: {msg}")),
-            }
-        }
+        E::Server(t) => map_server_error(t.code(), t.message(), ctx),
         E::Io { .. } => SourceError::Transient(e.to_string()),
         E::Tls(m) => SourceError::Config(format!(
             "the TLS handshake with SQL Server failed ({m}); check ca_file, or trust_server_certificate for a self-signed test server"
         )),
         _ => SourceError::Other(e.to_string()),
+    }
+}
+
+/// Classifies an error the server reported, by its number.
+fn map_server_error(code: u32, msg: &str, ctx: &Ctx) -> SourceError {
+    match code {
+        18456 | 18452 | 18470 | 18486 | 18487 | 18488 => SourceError::Permission(format!(
+            "SQL Server refused the login (error {code}): check the user name in the URL and the password in {PASSWORD_ENV}; {msg}"
+        )),
+        229 | 230 | 262 | 297 | 300 | 916 => {
+            SourceError::Permission(format!("SQL Server error {code}: {msg} (see docs/sqlserver.md for the grants the reader needs)"))
+        }
+        313 => match &ctx.range {
+            Some((ci, from, to)) => {
+                SourceError::RangeUnavailable { capture_instance: ci.clone(), from: *from, to: *to, reason: msg.to_string() }
+            }
+            None => SourceError::Other(format!("SQL Server error 313: {msg}")),
+        },
+        3952 => SourceError::Config(format!(
+            "SNAPSHOT isolation is not allowed in this database (error 3952): run \
+             ALTER DATABASE <db> SET ALLOW_SNAPSHOT_ISOLATION ON, or choose read-committed isolation; server: {msg}"
+        )),
+        208 => SourceError::Config(format!(
+            "an object this source reads does not exist or the login cannot see it (error 208): {msg}; \
+             check the table name, that CDC is enabled on the database and table, and the grants in docs/sqlserver.md"
+        )),
+        4060 => SourceError::Config(format!("cannot open the database named in the URL (error 4060): {msg}")),
+        // Deadlock victim, lock timeout, memory pressure, dropped sessions and
+        // Azure SQL's reconfiguration and throttling codes.
+        1205 | 1222 | 701 | 8645 | 233 | 10053 | 10054 | 10060 | 64 | 121 | 4221 | 40197 | 40501 | 40613 | 49918 | 49919 | 49920
+        | 10928 | 10929 | 40143 | 40540 => SourceError::Transient(format!("SQL Server error {code}: {msg}")),
+        code => SourceError::Other(format!("SQL Server error {code}: {msg}")),
     }
 }
 
@@ -219,6 +225,14 @@ impl Inner {
         self.open().await
     }
 
+    /// Closes the idle connections: after a dropped connection the others are
+    /// likely dead too (server restart, failover), and each would cost a retry.
+    fn forget_idle(&self) {
+        if let Ok(mut idle) = self.idle.lock() {
+            idle.clear();
+        }
+    }
+
     /// Gives a connection back after a clean statement, at READ COMMITTED.
     async fn release(&self, mut conn: Conn) {
         if conn.isolation != Isolation::ReadCommitted && set_isolation(&mut conn, Isolation::ReadCommitted).await.is_err() {
@@ -243,6 +257,7 @@ impl Inner {
                 Err(f) => match f.into_source(ctx) {
                     SourceError::Transient(msg) => match schedule.next_backoff() {
                         Some(wait) => {
+                            self.forget_idle();
                             tracing::warn!(attempt, ?wait, "SQL Server read failed, retrying on a new connection: {msg}");
                             tokio::time::sleep(wait).await;
                         }
@@ -396,6 +411,7 @@ async fn stream_task(inner: Arc<Inner>, mut plan: StreamPlan, ready: Ready, out:
                 let err = fail.into_source(&plan.ctx);
                 if let (SourceError::Transient(msg), false) = (&err, started) {
                     if let Some(wait) = schedule.next_backoff() {
+                        inner.forget_idle();
                         tracing::warn!(?wait, "SQL Server read failed before its first row, retrying on a new connection: {msg}");
                         tokio::time::sleep(wait).await;
                         fresh = true;
@@ -840,6 +856,20 @@ mod tests {
         assert!(matches!(map_error(io, &ctx), SourceError::Transient(_)));
         let tls = tiberius::error::Error::Tls("bad certificate".into());
         assert!(matches!(map_error(tls, &ctx), SourceError::Config(_)));
+        match map_server_error(313, "insufficient arguments", &ctx) {
+            SourceError::RangeUnavailable { capture_instance, from, to, .. } => {
+                assert_eq!((capture_instance.as_str(), from, to), ("dbo_t", Lsn::from_parts(1, 0, 0), Lsn::from_parts(2, 0, 0)))
+            }
+            other => panic!("{other:?}"),
+        }
+        let none = Ctx::default();
+        assert!(matches!(map_server_error(18456, "Login failed", &none), SourceError::Permission(m) if m.contains(PASSWORD_ENV)));
+        assert!(matches!(map_server_error(229, "SELECT denied", &none), SourceError::Permission(_)));
+        assert!(matches!(map_server_error(3952, "snapshot", &none), SourceError::Config(m) if m.contains("ALLOW_SNAPSHOT_ISOLATION")));
+        assert!(matches!(map_server_error(208, "Invalid object name", &none), SourceError::Config(_)));
+        assert!(matches!(map_server_error(1205, "deadlock victim", &none), SourceError::Transient(_)));
+        assert!(matches!(map_server_error(40613, "database unavailable", &none), SourceError::Transient(_)));
+        assert!(matches!(map_server_error(8134, "divide by zero", &none), SourceError::Other(_)));
     }
 
     #[tokio::test]
