@@ -625,7 +625,19 @@ impl CdcSource for MssqlSource {
 
     async fn capture_instances(&self, table: &TableName) -> Result<Vec<CaptureInstance>, SourceError> {
         let rc = Isolation::ReadCommitted;
-        let heads = self.rows(&sql::capture_instances(table), rc).await?;
+        let heads = match self.rows(&sql::capture_instances(table), rc).await {
+            Ok(h) => h,
+            // No cdc schema at all: CDC is off for the whole database, so the
+            // table has no capture instance.
+            Err(SourceError::Config(m)) if m.contains("error 208") => {
+                let db = self.rows(&sql::database_cdc_enabled(), rc).await?;
+                match db.first().map(|r| convert::row_i64(r, 0)).transpose()?.flatten() {
+                    Some(0) => return Ok(vec![]),
+                    _ => return Err(SourceError::Config(m)),
+                }
+            }
+            Err(e) => return Err(e),
+        };
         if heads.is_empty() {
             return Ok(vec![]);
         }

@@ -158,6 +158,12 @@ pub fn capture_instances(t: &TableName) -> Statement {
     )
 }
 
+/// Whether CDC is enabled on the current database (when it is not, the `cdc`
+/// schema and its tables do not exist). Column: cdc_enabled (int).
+pub fn database_cdc_enabled() -> Statement {
+    Statement::new("SELECT CAST(d.is_cdc_enabled AS int) AS cdc_enabled FROM sys.databases AS d WHERE d.database_id = DB_ID()".into(), vec![])
+}
+
 /// The captured columns of every instance of the table, with the types the
 /// change table holds them in, in column ordinal order; nullability from the
 /// source column while it exists. Columns: capture_instance, column_name,
@@ -540,6 +546,7 @@ mod tests {
         golden("capture_instances", &capture_instances(&t));
         golden("captured_columns", &captured_columns(&t));
         golden("index_columns", &index_columns(&t));
+        golden("database_cdc_enabled", &database_cdc_enabled());
         golden("row_estimate", &row_estimate(&t));
     }
 
