@@ -7,6 +7,7 @@ pub mod demo;
 pub mod engine;
 pub mod error;
 pub mod lsn;
+pub mod mssql;
 pub mod sim;
 pub mod source;
 pub mod types;

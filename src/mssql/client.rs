@@ -1,0 +1,900 @@
+//! [`MssqlSource`]: the [`CdcSource`] protocol over tiberius.
+//!
+//! Connections come from a small pool of our own: a call takes an idle
+//! connection (or opens one), and gives it back only when its statement ran
+//! to the end cleanly and the isolation level is back at READ COMMITTED. A
+//! connection that saw any error, or whose stream was dropped part-way, is
+//! closed instead: it may be out of step with the server.
+//!
+//! Reads are idempotent, so transient failures (dropped connections,
+//! timeouts, deadlock victims, Azure's throttling codes) are retried on a
+//! fresh connection with exponential backoff; a stream is retried only until
+//! its first row has been handed out.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use backoff::backoff::Backoff;
+use backoff::ExponentialBackoff;
+use chrono::NaiveDateTime;
+use deltalake::arrow::record_batch::RecordBatch;
+use futures::StreamExt;
+use tiberius::{Client, Row, ToSql};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::compat::{Compat, TokioAsyncWriteCompatExt};
+
+use super::config::{MssqlConfig, PASSWORD_ENV};
+use super::convert::{self, Bind};
+use super::sql::{self, KeyCol, ReadColumn, Statement};
+use super::windows_zones::windows_to_iana;
+use crate::lsn::Lsn;
+use crate::source::{
+    BatchStream, CaptureInstance, CdcSource, ChangeBatchBuilder, Isolation, KeyRange, RowFilter, ServerZone, SnapshotRead,
+    SourceError, SourceSecrets, TableInfo, TableName, TimeOp, ZoneKind,
+};
+use crate::types::{BatchBuilder, ColumnDesc, Key, SqlType, SqlValue};
+
+type Tds = Client<Compat<TcpStream>>;
+
+/// A pooled connection and the isolation level its session is at.
+struct Conn {
+    client: Tds,
+    isolation: Isolation,
+}
+
+/// What a failed statement was about, to name it in the error.
+#[derive(Clone, Default)]
+struct Ctx {
+    /// The capture instance and LSN range of a changes read (for error 313).
+    range: Option<(String, Lsn, Lsn)>,
+}
+
+struct Inner {
+    cfg: MssqlConfig,
+    password: String,
+    idle: Mutex<Vec<Conn>>,
+    /// Table descriptions by name, refreshed by every `table_info`; used for
+    /// the types of key columns (bounds are cast to them).
+    tables: Mutex<HashMap<TableName, TableInfo>>,
+    /// Capture instances whose change table predates `__$command_id`.
+    without_command_id: Mutex<HashSet<String>>,
+}
+
+/// A SQL Server CDC source over tiberius.
+pub struct MssqlSource {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for MssqlSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MssqlSource({})", self.inner.cfg)
+    }
+}
+
+/// A statement failure before classification, so callers can look at the server's code.
+enum Fail {
+    Tds(tiberius::error::Error),
+    Source(SourceError),
+}
+
+impl Fail {
+    fn code(&self) -> Option<u32> {
+        match self {
+            Fail::Tds(e) => e.code(),
+            Fail::Source(_) => None,
+        }
+    }
+    fn into_source(self, ctx: &Ctx) -> SourceError {
+        match self {
+            Fail::Tds(e) => map_error(e, ctx),
+            Fail::Source(e) => e,
+        }
+    }
+}
+
+impl From<tiberius::error::Error> for Fail {
+    fn from(e: tiberius::error::Error) -> Self {
+        Fail::Tds(e)
+    }
+}
+
+impl From<SourceError> for Fail {
+    fn from(e: SourceError) -> Self {
+        Fail::Source(e)
+    }
+}
+
+/// Classifies a tiberius error into the source's error kinds.
+fn map_error(e: tiberius::error::Error, ctx: &Ctx) -> SourceError {
+    use tiberius::error::Error as E;
+    match &e {
+        E::Server(t) => map_server_error(t.code(), t.message(), ctx),
+        E::Io { .. } => SourceError::Transient(e.to_string()),
+        E::Tls(m) => SourceError::Config(format!(
+            "the TLS handshake with SQL Server failed ({m}); check ca_file, or trust_server_certificate for a self-signed test server"
+        )),
+        _ => SourceError::Other(e.to_string()),
+    }
+}
+
+/// Classifies an error the server reported, by its number.
+fn map_server_error(code: u32, msg: &str, ctx: &Ctx) -> SourceError {
+    match code {
+        18456 | 18452 | 18470 | 18486 | 18487 | 18488 => SourceError::Permission(format!(
+            "SQL Server refused the login (error {code}): check the user name in the URL and the password in {PASSWORD_ENV}; {msg}"
+        )),
+        229 | 230 | 262 | 297 | 300 | 916 => {
+            SourceError::Permission(format!("SQL Server error {code}: {msg} (see docs/sqlserver.md for the grants the reader needs)"))
+        }
+        313 => match &ctx.range {
+            Some((ci, from, to)) => {
+                SourceError::RangeUnavailable { capture_instance: ci.clone(), from: *from, to: *to, reason: msg.to_string() }
+            }
+            None => SourceError::Other(format!("SQL Server error 313: {msg}")),
+        },
+        3952 => SourceError::Config(format!(
+            "SNAPSHOT isolation is not allowed in this database (error 3952): run \
+             ALTER DATABASE <db> SET ALLOW_SNAPSHOT_ISOLATION ON, or choose read-committed isolation; server: {msg}"
+        )),
+        208 => SourceError::Config(format!(
+            "an object this source reads does not exist or the login cannot see it (error 208): {msg}; \
+             check the table name, that CDC is enabled on the database and table, and the grants in docs/sqlserver.md"
+        )),
+        4060 => SourceError::Config(format!("cannot open the database named in the URL (error 4060): {msg}")),
+        // Deadlock victim, lock timeout, memory pressure, dropped sessions and
+        // Azure SQL's reconfiguration and throttling codes.
+        1205 | 1222 | 701 | 8645 | 233 | 10053 | 10054 | 10060 | 64 | 121 | 4221 | 40197 | 40501 | 40613 | 49918 | 49919 | 49920
+        | 10928 | 10929 | 40143 | 40540 => SourceError::Transient(format!("SQL Server error {code}: {msg}")),
+        code => SourceError::Other(format!("SQL Server error {code}: {msg}")),
+    }
+}
+
+/// The retry schedule for idempotent reads: from 200 ms, doubling, for at most a minute.
+fn retry_schedule() -> ExponentialBackoff {
+    ExponentialBackoff {
+        initial_interval: Duration::from_millis(200),
+        max_interval: Duration::from_secs(10),
+        max_elapsed_time: Some(Duration::from_secs(60)),
+        ..ExponentialBackoff::default()
+    }
+}
+
+/// Reads a zone as the URL's `time_zone=` or the server names it: `UTC`, a
+/// fixed offset (`UTC+02:00`, `-05:30`), a Windows name or an IANA name.
+pub fn resolve_zone(text: &str) -> Option<ServerZone> {
+    let t = text.trim();
+    if ["utc", "gmt", "z", "etc/utc", "coordinated universal time"].contains(&t.to_ascii_lowercase().as_str()) {
+        return Some(ServerZone::utc());
+    }
+    let off = t.strip_prefix("UTC").or_else(|| t.strip_prefix("GMT")).unwrap_or(t);
+    if let Some(sign) = off.chars().next().filter(|c| *c == '+' || *c == '-') {
+        let rest = &off[1..];
+        let (h, m) = match rest.split_once(':') {
+            Some((h, m)) => (h, m),
+            None if rest.len() == 4 => (&rest[..2], &rest[2..]),
+            None => (rest, "0"),
+        };
+        if let (Ok(h), Ok(m)) = (h.parse::<i32>(), m.parse::<i32>()) {
+            if (0..=14).contains(&h) && (0..60).contains(&m) && windows_to_iana(t).is_none() {
+                let secs = (h * 3600 + m * 60) * if sign == '-' { -1 } else { 1 };
+                return Some(ServerZone { name: format!("UTC{sign}{h:02}:{m:02}"), kind: ZoneKind::Fixed(secs) });
+            }
+        }
+    }
+    if let Some(iana) = windows_to_iana(t) {
+        let tz: chrono_tz::Tz = iana.parse().ok()?;
+        return Some(ServerZone { name: t.to_string(), kind: ZoneKind::Named(tz) });
+    }
+    t.parse::<chrono_tz::Tz>().ok().map(|tz| ServerZone { name: t.to_string(), kind: ZoneKind::Named(tz) })
+}
+
+impl Inner {
+    async fn open(&self) -> Result<Conn, SourceError> {
+        let mut config = self.cfg.tiberius_config(&self.password);
+        // Azure SQL may redirect the login to another node once.
+        for _ in 0..3 {
+            let addr = config.get_addr();
+            let tcp = tokio::time::timeout(self.cfg.connect_timeout, TcpStream::connect(&addr))
+                .await
+                .map_err(|_| SourceError::Transient(format!("connecting to {addr} took longer than {:?}", self.cfg.connect_timeout)))?
+                .map_err(|e| SourceError::Transient(format!("connecting to {addr}: {e}")))?;
+            let _ = tcp.set_nodelay(true);
+            match Client::connect(config.clone(), tcp.compat_write()).await {
+                Ok(client) => return Ok(Conn { client, isolation: Isolation::ReadCommitted }),
+                Err(tiberius::error::Error::Routing { host, port }) => {
+                    config.host(&host);
+                    config.port(port);
+                }
+                Err(e) => return Err(map_error(e, &Ctx::default())),
+            }
+        }
+        Err(SourceError::Other("SQL Server redirected the login too many times".into()))
+    }
+
+    /// An idle connection, or a new one (always new when `fresh`).
+    async fn take(&self, fresh: bool) -> Result<Conn, SourceError> {
+        if !fresh {
+            let idle = self.idle.lock().map(|mut v| v.pop()).unwrap_or(None);
+            if let Some(c) = idle {
+                return Ok(c);
+            }
+        }
+        self.open().await
+    }
+
+    /// Closes the idle connections: after a dropped connection the others are
+    /// likely dead too (server restart, failover), and each would cost a retry.
+    fn forget_idle(&self) {
+        if let Ok(mut idle) = self.idle.lock() {
+            idle.clear();
+        }
+    }
+
+    /// Gives a connection back after a clean statement, at READ COMMITTED.
+    async fn release(&self, mut conn: Conn) {
+        if conn.isolation != Isolation::ReadCommitted && set_isolation(&mut conn, Isolation::ReadCommitted).await.is_err() {
+            return;
+        }
+        if let Ok(mut idle) = self.idle.lock() {
+            if idle.len() < self.cfg.pool_size {
+                idle.push(conn);
+            }
+        }
+    }
+
+    /// Runs a statement with a small result and collects its first result set,
+    /// retrying transient failures on fresh connections.
+    async fn query_rows(&self, stmt: &Statement, iso: Isolation, ctx: &Ctx) -> Result<Vec<Row>, SourceError> {
+        let mut schedule = retry_schedule();
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            match self.query_rows_once(stmt, iso, attempt > 1).await {
+                Ok(rows) => return Ok(rows),
+                Err(f) => match f.into_source(ctx) {
+                    SourceError::Transient(msg) => match schedule.next_backoff() {
+                        Some(wait) => {
+                            self.forget_idle();
+                            tracing::warn!(attempt, ?wait, "SQL Server read failed, retrying on a new connection: {msg}");
+                            tokio::time::sleep(wait).await;
+                        }
+                        None => return Err(SourceError::Transient(msg)),
+                    },
+                    other => return Err(other),
+                },
+            }
+        }
+    }
+
+    async fn query_rows_once(&self, stmt: &Statement, iso: Isolation, fresh: bool) -> Result<Vec<Row>, Fail> {
+        let mut conn = self.take(fresh).await?;
+        set_isolation(&mut conn, iso).await?;
+        let binds: Vec<Bind<'_>> = stmt.params.iter().map(Bind).collect();
+        let refs: Vec<&dyn ToSql> = binds.iter().map(|b| b as &dyn ToSql).collect();
+        let rows = conn.client.query(stmt.sql.as_str(), &refs).await?.into_first_result().await?;
+        self.release(conn).await;
+        Ok(rows)
+    }
+}
+
+async fn set_isolation(conn: &mut Conn, iso: Isolation) -> Result<(), tiberius::error::Error> {
+    if conn.isolation != iso {
+        conn.client.simple_query(sql::set_isolation(iso)).await?.into_results().await?;
+        conn.isolation = iso;
+    }
+    Ok(())
+}
+
+/// Turns rows into Arrow batches.
+enum Sink {
+    Rows { builder: BatchBuilder, types: Vec<SqlType> },
+    Changes { builder: ChangeBatchBuilder, types: Vec<SqlType> },
+}
+
+impl Sink {
+    fn push(&mut self, row: &Row) -> Result<(), SourceError> {
+        match self {
+            Sink::Rows { builder, types } => Ok(builder.push(&convert::row_values(row, 0, types)?)?),
+            Sink::Changes { builder, types } => builder.push(&convert::change_row(row, types)?),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            Sink::Rows { builder, .. } => builder.len(),
+            Sink::Changes { builder, .. } => builder.len(),
+        }
+    }
+    fn finish(&mut self) -> RecordBatch {
+        match self {
+            Sink::Rows { builder, .. } => builder.finish(),
+            Sink::Changes { builder, .. } => builder.finish(),
+        }
+    }
+}
+
+/// How a streamed read is set up.
+struct StreamPlan {
+    /// The statement, then fallbacks tried in turn when the server answers
+    /// error 207 (an old change table without `__$command_id`).
+    statements: Vec<Statement>,
+    isolation: Isolation,
+    ctx: Ctx,
+    sink: Sink,
+    batch_rows: usize,
+    /// The capture instance to remember as lacking `__$command_id` on fallback.
+    fallback_marks: Option<String>,
+}
+
+type Ready = oneshot::Sender<Result<(), SourceError>>;
+/// What the read task sends: batches, then `Done` after the last one, so that
+/// a task that dies part-way is never mistaken for a complete read.
+enum Msg {
+    Batch(Result<RecordBatch, SourceError>),
+    Done,
+}
+
+type Out = mpsc::Sender<Msg>;
+
+/// Runs one streamed read attempt on `conn`. Err carries whether rows had
+/// already been handed out (then the read cannot be retried).
+async fn stream_attempt(conn: &mut Conn, plan: &mut StreamPlan, which: usize, ready: &mut Option<Ready>, out: &Out) -> Result<(), (Fail, bool)> {
+    set_isolation(conn, plan.isolation).await.map_err(|e| (Fail::Tds(e), false))?;
+    let stmt = &plan.statements[which];
+    let binds: Vec<Bind<'_>> = stmt.params.iter().map(Bind).collect();
+    let refs: Vec<&dyn ToSql> = binds.iter().map(|b| b as &dyn ToSql).collect();
+    let stream = conn.client.query(stmt.sql.as_str(), &refs).await.map_err(|e| (Fail::Tds(e), false))?;
+    let mut rows = stream.into_row_stream();
+    let mut started = false;
+    while let Some(item) = rows.next().await {
+        let row = item.map_err(|e| (Fail::Tds(e), started))?;
+        if !started {
+            started = true;
+            if let Some(r) = ready.take() {
+                let _ = r.send(Ok(()));
+            }
+        }
+        plan.sink.push(&row).map_err(|e| (Fail::Source(e), true))?;
+        if plan.sink.len() >= plan.batch_rows && out.send(Msg::Batch(Ok(plan.sink.finish()))).await.is_err() {
+            // The reader dropped the stream: stop, and let the connection go.
+            return Err((Fail::Source(SourceError::Other("the reader went away".into())), true));
+        }
+    }
+    Ok(())
+}
+
+async fn stream_task(inner: Arc<Inner>, mut plan: StreamPlan, ready: Ready, out: Out) {
+    let mut ready = Some(ready);
+    let mut schedule = retry_schedule();
+    let mut which = 0usize;
+    let mut fresh = false;
+    loop {
+        let mut conn = match inner.take(fresh).await {
+            Ok(c) => c,
+            Err(SourceError::Transient(msg)) => match schedule.next_backoff() {
+                Some(wait) => {
+                    tracing::warn!(?wait, "connecting to SQL Server failed, retrying: {msg}");
+                    tokio::time::sleep(wait).await;
+                    fresh = true;
+                    continue;
+                }
+                None => return finish_err(&mut ready, &out, SourceError::Transient(msg)).await,
+            },
+            Err(e) => return finish_err(&mut ready, &out, e).await,
+        };
+        match stream_attempt(&mut conn, &mut plan, which, &mut ready, &out).await {
+            Ok(()) => {
+                if let Some(r) = ready.take() {
+                    let _ = r.send(Ok(()));
+                }
+                if plan.sink.len() > 0 {
+                    let _ = out.send(Msg::Batch(Ok(plan.sink.finish()))).await;
+                }
+                let _ = out.send(Msg::Done).await;
+                inner.release(conn).await;
+                return;
+            }
+            Err((fail, started)) => {
+                drop(conn);
+                if out.is_closed() {
+                    return;
+                }
+                if !started && fail.code() == Some(207) && which + 1 < plan.statements.len() {
+                    which += 1;
+                    if let (Some(ci), Ok(mut set)) = (&plan.fallback_marks, inner.without_command_id.lock()) {
+                        set.insert(ci.clone());
+                    }
+                    continue;
+                }
+                let err = fail.into_source(&plan.ctx);
+                if let (SourceError::Transient(msg), false) = (&err, started) {
+                    if let Some(wait) = schedule.next_backoff() {
+                        inner.forget_idle();
+                        tracing::warn!(?wait, "SQL Server read failed before its first row, retrying on a new connection: {msg}");
+                        tokio::time::sleep(wait).await;
+                        fresh = true;
+                        continue;
+                    }
+                }
+                return finish_err(&mut ready, &out, err).await;
+            }
+        }
+    }
+}
+
+async fn finish_err(ready: &mut Option<Ready>, out: &Out, e: SourceError) {
+    match ready.take() {
+        Some(r) => {
+            let _ = r.send(Err(e));
+        }
+        None => {
+            let _ = out.send(Msg::Batch(Err(e))).await;
+        }
+    }
+}
+
+fn first_row(rows: &[Row]) -> Result<&Row, SourceError> {
+    rows.first().ok_or_else(|| SourceError::Other("SQL Server returned no row where one was expected".into()))
+}
+
+fn cached_key_cols(info: &TableInfo, keys: &[String]) -> Option<Vec<KeyCol>> {
+    keys.iter()
+        .map(|k| info.columns.iter().find(|c| c.name.eq_ignore_ascii_case(k)).map(|c| KeyCol { name: c.name.clone(), sql_type: c.sql_type.clone() }))
+        .collect()
+}
+
+impl MssqlSource {
+    /// Parses the URL or connection string, logs in once to check the
+    /// settings, and keeps that connection for the first call.
+    pub async fn connect(url: &str, secrets: SourceSecrets) -> Result<MssqlSource, SourceError> {
+        let cfg = MssqlConfig::parse(url)?;
+        let password = secrets.password.filter(|p| !p.is_empty()).ok_or_else(|| {
+            SourceError::Config(format!(
+                "no password for SQL Server login '{}': set the {PASSWORD_ENV} environment variable (or the password file the workflow names)",
+                cfg.user
+            ))
+        })?;
+        let inner = Arc::new(Inner {
+            cfg,
+            password,
+            idle: Mutex::new(Vec::new()),
+            tables: Mutex::new(HashMap::new()),
+            without_command_id: Mutex::new(HashSet::new()),
+        });
+        let first = inner.open().await?;
+        inner.release(first).await;
+        Ok(MssqlSource { inner })
+    }
+
+    /// The parsed settings (nothing secret).
+    pub fn config(&self) -> &MssqlConfig {
+        &self.inner.cfg
+    }
+
+    async fn rows(&self, stmt: &Statement, iso: Isolation) -> Result<Vec<Row>, SourceError> {
+        self.inner.query_rows(stmt, iso, &Ctx::default()).await
+    }
+
+    async fn single_lsn(&self, stmt: &Statement, zero_is_none: bool) -> Result<Option<Lsn>, SourceError> {
+        let rows = self.rows(stmt, Isolation::ReadCommitted).await?;
+        match rows.first() {
+            Some(r) => convert::row_lsn(r, 0, zero_is_none),
+            None => Ok(None),
+        }
+    }
+
+    async fn key_cols(&self, table: &TableName, keys: &[String]) -> Result<Vec<KeyCol>, SourceError> {
+        let cached = self.inner.tables.lock().ok().and_then(|m| m.get(table).cloned());
+        if let Some(cols) = cached.as_ref().and_then(|info| cached_key_cols(info, keys)) {
+            return Ok(cols);
+        }
+        let info = self.table_info(table).await?;
+        cached_key_cols(&info, keys).ok_or_else(|| {
+            SourceError::Config(format!("the key columns {keys:?} are not all columns of {table} (columns are matched case-insensitively)"))
+        })
+    }
+
+    async fn open_stream(&self, plan: StreamPlan) -> Result<BatchStream, SourceError> {
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let (tx, rx) = mpsc::channel::<Msg>(1);
+        tokio::spawn(stream_task(self.inner.clone(), plan, ready_tx, tx));
+        match ready_rx.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err(SourceError::Other("the SQL Server read stopped before it started".into())),
+        }
+        // (receiver, finished): a channel that closes without Done (the task
+        // died) ends the stream with an error rather than quietly.
+        Ok(futures::stream::unfold((rx, false), |(mut rx, finished)| async move {
+            if finished {
+                return None;
+            }
+            match rx.recv().await {
+                Some(Msg::Batch(Ok(b))) => Some((Ok(b), (rx, false))),
+                Some(Msg::Batch(Err(e))) => Some((Err(e), (rx, true))),
+                Some(Msg::Done) => None,
+                None => Some((Err(SourceError::Other("the SQL Server read stopped part-way".into())), (rx, true))),
+            }
+        })
+        .boxed())
+    }
+
+    /// Reconcile tier 1: per slice of an integer key over `[lo, hi]`, the
+    /// slice start, the row count and the exact sum of the key.
+    pub async fn bucket_sums(
+        &self,
+        table: &TableName,
+        key: &str,
+        lo: i64,
+        hi: i64,
+        width: i64,
+        isolation: Isolation,
+    ) -> Result<Vec<(i64, u64, i128)>, SourceError> {
+        if width <= 0 {
+            return Err(SourceError::Other(format!("bucket width must be positive, not {width}")));
+        }
+        if lo > hi {
+            return Ok(vec![]);
+        }
+        let rows = self.rows(&sql::bucket_sums(table, key, lo, hi, width), isolation).await?;
+        rows.iter()
+            .map(|r| {
+                let start = convert::row_i64(r, 0)?.unwrap_or_default();
+                let n = convert::row_i64(r, 1)?.unwrap_or_default() as u64;
+                let d = r.get_column_data(2).map_err(|e| SourceError::Other(e.to_string()))?;
+                let sum = match convert::column_value(d, &SqlType::Decimal { precision: 38, scale: 0 }).map_err(SourceError::Other)? {
+                    SqlValue::Decimal { value, scale: 0 } => value,
+                    SqlValue::Int(v) => v as i128,
+                    other => return Err(SourceError::Other(format!("unexpected key sum {other}"))),
+                };
+                Ok((start, n, sum))
+            })
+            .collect()
+    }
+}
+
+fn catalog_column(r: &Row, first: usize) -> Result<(String, Result<SqlType, String>, bool), SourceError> {
+    let name = convert::row_str(r, first)?.unwrap_or_default();
+    let type_name = convert::row_str(r, first + 1)?.unwrap_or_default();
+    let max_length = convert::row_i64(r, first + 2)?.unwrap_or(0);
+    let precision = convert::row_i64(r, first + 3)?.unwrap_or(0);
+    let scale = convert::row_i64(r, first + 4)?.unwrap_or(0);
+    let nullable = convert::row_i64(r, first + 5)?.unwrap_or(1) != 0;
+    Ok((name, convert::sql_type_from_catalog(&type_name, max_length, precision, scale), nullable))
+}
+
+#[async_trait]
+impl CdcSource for MssqlSource {
+    fn describe(&self) -> String {
+        self.inner.cfg.to_string()
+    }
+
+    async fn max_lsn(&self) -> Result<Option<Lsn>, SourceError> {
+        self.single_lsn(&sql::max_lsn(), false).await
+    }
+
+    async fn min_lsn(&self, capture_instance: &str) -> Result<Option<Lsn>, SourceError> {
+        self.single_lsn(&sql::min_lsn(capture_instance), true).await
+    }
+
+    async fn increment_lsn(&self, lsn: Lsn) -> Result<Lsn, SourceError> {
+        self.single_lsn(&sql::increment_lsn(lsn), false).await?.ok_or_else(|| SourceError::Other("fn_cdc_increment_lsn returned NULL".into()))
+    }
+
+    async fn decrement_lsn(&self, lsn: Lsn) -> Result<Lsn, SourceError> {
+        self.single_lsn(&sql::decrement_lsn(lsn), false).await?.ok_or_else(|| SourceError::Other("fn_cdc_decrement_lsn returned NULL".into()))
+    }
+
+    async fn table_info(&self, table: &TableName) -> Result<TableInfo, SourceError> {
+        let rows = self.rows(&sql::table_columns(table), Isolation::ReadCommitted).await?;
+        if rows.is_empty() {
+            return Err(SourceError::Config(format!(
+                "table {table} does not exist in the database, or the login cannot see it (it needs SELECT on the table)"
+            )));
+        }
+        let mut columns = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let (name, ty, nullable) = catalog_column(r, 0)?;
+            match ty {
+                Ok(t) => columns.push(ColumnDesc::new(name, t, nullable)),
+                // A column of a type this program cannot carry (geography, sql_variant…)
+                // is left out here; capture_instances refuses it if it is captured.
+                Err(e) => tracing::warn!(table = %table, column = %name, "column left out: {e}"),
+            }
+        }
+        let keys = self.rows(&sql::table_unique_keys(table), Isolation::ReadCommitted).await?;
+        let mut unique_key = Vec::new();
+        let mut first_index = None;
+        for r in &keys {
+            let idx = convert::row_i64(r, 0)?;
+            if first_index.is_none() {
+                first_index = Some(idx);
+            }
+            if first_index == Some(idx) {
+                unique_key.push(convert::row_str(r, 2)?.unwrap_or_default());
+            }
+        }
+        let info = TableInfo { name: table.clone(), columns, unique_key };
+        if let Ok(mut m) = self.inner.tables.lock() {
+            m.insert(table.clone(), info.clone());
+        }
+        Ok(info)
+    }
+
+    async fn capture_instances(&self, table: &TableName) -> Result<Vec<CaptureInstance>, SourceError> {
+        let rc = Isolation::ReadCommitted;
+        let heads = match self.rows(&sql::capture_instances(table), rc).await {
+            Ok(h) => h,
+            // No cdc schema at all: CDC is off for the whole database, so the
+            // table has no capture instance.
+            Err(SourceError::Config(m)) if m.contains("error 208") => {
+                let db = self.rows(&sql::database_cdc_enabled(), rc).await?;
+                match db.first().map(|r| convert::row_i64(r, 0)).transpose()?.flatten() {
+                    Some(0) => return Ok(vec![]),
+                    _ => return Err(SourceError::Config(m)),
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        if heads.is_empty() {
+            return Ok(vec![]);
+        }
+        let cols = self.rows(&sql::captured_columns(table), rc).await?;
+        let idx = self.rows(&sql::index_columns(table), rc).await?;
+        let mut out = Vec::new();
+        for h in &heads {
+            let name = convert::row_str(h, 0)?.unwrap_or_default();
+            let start_lsn = convert::row_lsn(h, 1, true)?;
+            let mut columns = Vec::new();
+            for r in &cols {
+                if convert::row_str(r, 0)?.as_deref() != Some(name.as_str()) {
+                    continue;
+                }
+                let (col, ty, nullable) = catalog_column(r, 1)?;
+                let ty = ty.map_err(|e| {
+                    SourceError::Config(format!(
+                        "capture instance '{name}' of {table} captures column '{col}', whose type this program cannot replicate ({e}); \
+                         recreate the instance with @captured_column_list leaving it out"
+                    ))
+                })?;
+                columns.push(ColumnDesc::new(col, ty, nullable));
+            }
+            let mut index_columns = Vec::new();
+            for r in &idx {
+                if convert::row_str(r, 0)?.as_deref() == Some(name.as_str()) {
+                    index_columns.push(convert::row_str(r, 1)?.unwrap_or_default());
+                }
+            }
+            out.push(CaptureInstance { name, table: table.clone(), start_lsn, columns, index_columns });
+        }
+        Ok(out)
+    }
+
+    async fn changes(
+        &self,
+        capture_instance: &CaptureInstance,
+        from: Lsn,
+        to: Lsn,
+        filter: RowFilter,
+        batch_rows: usize,
+    ) -> Result<BatchStream, SourceError> {
+        let ci = &capture_instance.name;
+        let cols = &capture_instance.columns;
+        let old = self.inner.without_command_id.lock().map(|s| s.contains(ci)).unwrap_or(false);
+        let mut statements = Vec::new();
+        if !old {
+            statements.push(sql::changes(ci, cols, from, to, filter, true));
+        }
+        statements.push(sql::changes(ci, cols, from, to, filter, false));
+        self.open_stream(StreamPlan {
+            statements,
+            isolation: Isolation::ReadCommitted,
+            ctx: Ctx { range: Some((ci.clone(), from, to)) },
+            sink: Sink::Changes { builder: ChangeBatchBuilder::new(cols), types: cols.iter().map(|c| c.sql_type.clone()).collect() },
+            batch_rows: batch_rows.max(1),
+            fallback_marks: Some(ci.clone()),
+        })
+        .await
+    }
+
+    async fn snapshot_read(&self, read: &SnapshotRead) -> Result<BatchStream, SourceError> {
+        let info = self.table_info(&read.table).await?;
+        let columns: Vec<ReadColumn> = read
+            .columns
+            .iter()
+            .map(|c| ReadColumn { desc: c.clone(), present: info.columns.iter().any(|t| t.name.eq_ignore_ascii_case(&c.name)) })
+            .collect();
+        let keys: Vec<KeyCol> = read
+            .keys
+            .iter()
+            .map(|k| {
+                read.columns
+                    .iter()
+                    .chain(info.columns.iter())
+                    .find(|c| c.name.eq_ignore_ascii_case(k))
+                    .map(|c| KeyCol { name: c.name.clone(), sql_type: c.sql_type.clone() })
+                    .ok_or_else(|| SourceError::Config(format!("key column '{k}' is not a column of {}", read.table)))
+            })
+            .collect::<Result<_, _>>()?;
+        let stmt = sql::snapshot_read(&read.table, &columns, &keys, &read.range).map_err(SourceError::Config)?;
+        self.open_stream(StreamPlan {
+            statements: vec![stmt],
+            isolation: read.isolation,
+            ctx: Ctx::default(),
+            sink: Sink::Rows { builder: BatchBuilder::new(&read.columns), types: read.columns.iter().map(|c| c.sql_type.clone()).collect() },
+            batch_rows: read.batch_rows.max(1),
+            fallback_marks: None,
+        })
+        .await
+    }
+
+    async fn key_extent(&self, table: &TableName, keys: &[String], isolation: Isolation) -> Result<Option<(Key, Key)>, SourceError> {
+        let kc = self.key_cols(table, keys).await?;
+        let types: Vec<SqlType> = kc.iter().map(|k| k.sql_type.clone()).collect();
+        let rows = self.rows(&sql::key_extent(table, &kc), isolation).await?;
+        if kc.len() == 1 && kc[0].sql_type != SqlType::Bit {
+            let Some(r) = rows.first() else { return Ok(None) };
+            let v = convert::row_values(r, 0, &[types[0].clone(), types[0].clone()])?;
+            if v[0].is_null() {
+                return Ok(None);
+            }
+            return Ok(Some((vec![v[0].clone()], vec![v[1].clone()])));
+        }
+        let mut lo = None;
+        let mut hi = None;
+        for r in &rows {
+            let end = convert::row_i64(r, 0)?;
+            let key = convert::row_values(r, 1, &types)?;
+            if end == Some(0) {
+                lo = Some(key);
+            } else {
+                hi = Some(key);
+            }
+        }
+        Ok(lo.zip(hi))
+    }
+
+    async fn slice_counts(
+        &self,
+        table: &TableName,
+        key: &str,
+        lo: i64,
+        hi: i64,
+        width: i64,
+        isolation: Isolation,
+    ) -> Result<Vec<(i64, u64)>, SourceError> {
+        if width <= 0 {
+            return Err(SourceError::Other(format!("slice width must be positive, not {width}")));
+        }
+        if lo > hi {
+            return Ok(vec![]);
+        }
+        let rows = self.rows(&sql::slice_counts(table, key, lo, hi, width), isolation).await?;
+        rows.iter()
+            .map(|r| Ok((convert::row_i64(r, 0)?.unwrap_or_default(), convert::row_i64(r, 1)?.unwrap_or_default() as u64)))
+            .collect()
+    }
+
+    async fn key_seek(&self, table: &TableName, keys: &[String], range: &KeyRange, n: u64, isolation: Isolation) -> Result<Option<Key>, SourceError> {
+        let kc = self.key_cols(table, keys).await?;
+        let types: Vec<SqlType> = kc.iter().map(|k| k.sql_type.clone()).collect();
+        let stmt = sql::key_seek(table, &kc, range, n).map_err(SourceError::Config)?;
+        let rows = self.rows(&stmt, isolation).await?;
+        let Some(r) = rows.first() else { return Ok(None) };
+        let taken = convert::row_i64(r, kc.len())?.unwrap_or(0);
+        if u64::try_from(taken).ok() != n.checked_add(1) {
+            return Ok(None);
+        }
+        Ok(Some(convert::row_values(r, 0, &types)?))
+    }
+
+    async fn row_estimate(&self, table: &TableName) -> Result<u64, SourceError> {
+        let rows = self.rows(&sql::row_estimate(table), Isolation::ReadCommitted).await?;
+        let r = first_row(&rows)?;
+        let idx = r.columns().iter().position(|c| c.name().eq_ignore_ascii_case("rows")).unwrap_or(1);
+        let text = convert::row_str(r, idx)?.unwrap_or_default();
+        text.trim().parse::<u64>().map_err(|_| SourceError::Other(format!("sp_spaceused reported rows = '{}'", text.trim())))
+    }
+
+    async fn time_to_lsn(&self, op: TimeOp, local_time: NaiveDateTime) -> Result<Option<Lsn>, SourceError> {
+        self.single_lsn(&sql::time_to_lsn(op, local_time), true).await
+    }
+
+    async fn lsn_to_time(&self, lsn: Lsn) -> Result<Option<NaiveDateTime>, SourceError> {
+        let rows = self.rows(&sql::lsn_to_time(lsn), Isolation::ReadCommitted).await?;
+        let Some(r) = rows.first() else { return Ok(None) };
+        let d = r.get_column_data(0).map_err(|e| SourceError::Other(e.to_string()))?;
+        match convert::column_value(d, &SqlType::DateTime).map_err(SourceError::Other)? {
+            SqlValue::DateTime(t) => Ok(Some(t)),
+            SqlValue::Null => Ok(None),
+            other => Err(SourceError::Other(format!("fn_cdc_map_lsn_to_time returned {other}"))),
+        }
+    }
+
+    async fn server_time_zone(&self) -> Result<ServerZone, SourceError> {
+        let configured = self.inner.cfg.time_zone.as_deref();
+        let from_server = match self.rows(&sql::server_time_zone(), Isolation::ReadCommitted).await {
+            Ok(rows) => match rows.first() {
+                Some(r) => convert::row_str(r, 0)?,
+                None => None,
+            },
+            // Before SQL Server 2022 the function does not exist (error 195).
+            Err(SourceError::Other(msg)) if msg.contains("error 195") => None,
+            Err(e) => return Err(e),
+        };
+        if let Some(name) = &from_server {
+            if let Some(z) = resolve_zone(name) {
+                return Ok(z);
+            }
+        }
+        match configured.and_then(resolve_zone) {
+            Some(z) => Ok(z),
+            None => Err(SourceError::Config(match from_server {
+                Some(name) => format!("the server's time zone '{name}' is not one this program can map; set time_zone= in the source URL"),
+                None => "the server does not report its time zone (CURRENT_TIMEZONE_ID needs SQL Server 2022); set time_zone= in the source URL, \
+                         for example time_zone=UTC or time_zone=W.%20Europe%20Standard%20Time"
+                    .into(),
+            })),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zones_resolve_from_every_spelling() {
+        assert_eq!(resolve_zone("UTC"), Some(ServerZone::utc()));
+        let z = resolve_zone("UTC+02:00").unwrap();
+        assert_eq!((z.name.as_str(), &z.kind), ("UTC+02:00", &ZoneKind::Fixed(7200)));
+        assert_eq!(resolve_zone("-05:30").unwrap().kind, ZoneKind::Fixed(-(5 * 3600 + 30 * 60)));
+        let w = resolve_zone("E. South America Standard Time").unwrap();
+        assert_eq!(w.name, "E. South America Standard Time");
+        assert_eq!(w.kind, ZoneKind::Named(chrono_tz::America::Sao_Paulo));
+        // The Windows "UTC-11" zone is the IANA Etc/GMT+11 zone.
+        assert_eq!(resolve_zone("UTC-11").unwrap().kind, ZoneKind::Named(chrono_tz::Etc::GMTPlus11));
+        assert_eq!(resolve_zone("Europe/Lisbon").unwrap().kind, ZoneKind::Named(chrono_tz::Europe::Lisbon));
+        assert!(resolve_zone("Mars/Olympus").is_none());
+        assert!(resolve_zone("UTC+15:00").is_none());
+    }
+
+    #[test]
+    fn server_errors_map_to_source_errors() {
+        let ctx = Ctx { range: Some(("dbo_t".into(), Lsn::from_parts(1, 0, 0), Lsn::from_parts(2, 0, 0))) };
+        let io = tiberius::error::Error::Io { kind: std::io::ErrorKind::ConnectionReset, message: "reset".into() };
+        assert!(matches!(map_error(io, &ctx), SourceError::Transient(_)));
+        let tls = tiberius::error::Error::Tls("bad certificate".into());
+        assert!(matches!(map_error(tls, &ctx), SourceError::Config(_)));
+        match map_server_error(313, "insufficient arguments", &ctx) {
+            SourceError::RangeUnavailable { capture_instance, from, to, .. } => {
+                assert_eq!((capture_instance.as_str(), from, to), ("dbo_t", Lsn::from_parts(1, 0, 0), Lsn::from_parts(2, 0, 0)))
+            }
+            other => panic!("{other:?}"),
+        }
+        let none = Ctx::default();
+        assert!(matches!(map_server_error(18456, "Login failed", &none), SourceError::Permission(m) if m.contains(PASSWORD_ENV)));
+        assert!(matches!(map_server_error(229, "SELECT denied", &none), SourceError::Permission(_)));
+        assert!(matches!(map_server_error(3952, "snapshot", &none), SourceError::Config(m) if m.contains("ALLOW_SNAPSHOT_ISOLATION")));
+        assert!(matches!(map_server_error(208, "Invalid object name", &none), SourceError::Config(_)));
+        assert!(matches!(map_server_error(1205, "deadlock victim", &none), SourceError::Transient(_)));
+        assert!(matches!(map_server_error(40613, "database unavailable", &none), SourceError::Transient(_)));
+        assert!(matches!(map_server_error(8134, "divide by zero", &none), SourceError::Other(_)));
+    }
+
+    #[tokio::test]
+    async fn connect_needs_a_password_and_a_valid_url() {
+        let e = MssqlSource::connect("mssql://u@127.0.0.1:1/db", SourceSecrets::default()).await.err().unwrap();
+        assert!(e.to_string().contains(PASSWORD_ENV), "{e}");
+        let e = MssqlSource::connect("mssql://u:pw@127.0.0.1:1/db", SourceSecrets { password: Some("pw".into()) }).await.err().unwrap();
+        assert!(matches!(e, SourceError::Config(_)));
+        // Nothing listens on port 1: a transient failure, not a panic.
+        let e = MssqlSource::connect("mssql://u@127.0.0.1:1/db?connect_timeout_s=2", SourceSecrets { password: Some("pw".into()) })
+            .await
+            .err()
+            .unwrap();
+        assert!(matches!(e, SourceError::Transient(_)), "{e}");
+    }
+}

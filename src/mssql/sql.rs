@@ -1,0 +1,649 @@
+//! Every T-SQL statement the SQL Server source sends, as pure functions.
+//!
+//! Rules kept by every function here:
+//! * a name (schema, table, column, capture instance) enters the text only
+//!   through [`quote_ident`], which follows QUOTENAME: bracketed, `]` doubled;
+//! * a value (LSN, key bound, count, time, name compared as data) enters only
+//!   as a bound parameter `@P1…`, listed in [`Statement::params`];
+//! * the few literals in the text are fixed by this module (`N'all'`, type
+//!   names from [`SqlType::sql_name`]), never taken from the workflow.
+//!
+//! The golden tests at the bottom snapshot each statement and parse it with
+//! sqlparser's SQL Server dialect.
+
+use std::fmt;
+
+use chrono::NaiveDateTime;
+
+use crate::lsn::Lsn;
+use crate::source::{
+    KeyRange, RowFilter, TableName, TimeOp, CHANGE_COMMAND_ID, CHANGE_OPERATION, CHANGE_SEQVAL, CHANGE_START_LSN,
+    CHANGE_TRAN_END_TIME,
+};
+use crate::types::{ColumnDesc, SqlType, SqlValue};
+
+/// One statement and the values bound to `@P1`, `@P2`, … in order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Statement {
+    pub sql: String,
+    pub params: Vec<SqlValue>,
+}
+
+impl Statement {
+    fn new(sql: String, params: Vec<SqlValue>) -> Statement {
+        Statement { sql, params }
+    }
+}
+
+impl fmt::Display for Statement {
+    /// The text, then one line per parameter (used by the golden tests and in debug logs).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.sql)?;
+        for (i, p) in self.params.iter().enumerate() {
+            write!(f, "\n-- @P{} = {}", i + 1, p.canonical())?;
+        }
+        Ok(())
+    }
+}
+
+/// Collects parameters and hands out their placeholders.
+#[derive(Default)]
+struct Params(Vec<SqlValue>);
+
+impl Params {
+    fn bind(&mut self, v: SqlValue) -> String {
+        self.0.push(v);
+        format!("@P{}", self.0.len())
+    }
+}
+
+/// A name as a delimited identifier, as QUOTENAME writes it: `[a]]b]` for `a]b`.
+pub fn quote_ident(name: &str) -> String {
+    format!("[{}]", name.replace(']', "]]"))
+}
+
+/// `[schema].[table]`.
+pub fn quote_table(t: &TableName) -> String {
+    format!("{}.{}", quote_ident(&t.schema), quote_ident(&t.name))
+}
+
+/// The quoted two-part name as a value, for OBJECT_ID(@Pn).
+fn object_name_value(t: &TableName) -> SqlValue {
+    SqlValue::Str(quote_table(t))
+}
+
+/// `cdc.[fn_cdc_get_all_changes_<ci>]`: the function name quoted as one identifier.
+pub fn all_changes_function(capture_instance: &str) -> String {
+    format!("cdc.{}", quote_ident(&format!("fn_cdc_get_all_changes_{capture_instance}")))
+}
+
+/// The type a key parameter is cast to so that it compares as the column does
+/// (varchar under the column's collation rather than as nvarchar, datetime as
+/// datetime).
+fn cast_type(t: &SqlType) -> String {
+    match t {
+        SqlType::Timestamp => "binary(8)".into(),
+        other => other.sql_name(),
+    }
+}
+
+/// A column in a select list. money and smallmoney are read as decimals: the
+/// driver would hand them over as floating point and lose digits.
+fn select_item(prefix: &str, c: &ColumnDesc) -> String {
+    let q = quote_ident(&c.name);
+    match c.sql_type {
+        SqlType::Money => format!("CAST({prefix}{q} AS decimal(19,4)) AS {q}"),
+        SqlType::SmallMoney => format!("CAST({prefix}{q} AS decimal(10,4)) AS {q}"),
+        _ => format!("{prefix}{q}"),
+    }
+}
+
+/// `sys.fn_cdc_get_max_lsn()`.
+pub fn max_lsn() -> Statement {
+    Statement::new("SELECT sys.fn_cdc_get_max_lsn() AS max_lsn".into(), vec![])
+}
+
+/// `sys.fn_cdc_get_min_lsn(ci)`.
+pub fn min_lsn(capture_instance: &str) -> Statement {
+    Statement::new("SELECT sys.fn_cdc_get_min_lsn(@P1) AS min_lsn".into(), vec![SqlValue::Str(capture_instance.into())])
+}
+
+/// `sys.fn_cdc_increment_lsn(lsn)`.
+pub fn increment_lsn(lsn: Lsn) -> Statement {
+    Statement::new("SELECT sys.fn_cdc_increment_lsn(@P1) AS lsn".into(), vec![SqlValue::Bytes(lsn.0.to_vec())])
+}
+
+/// `sys.fn_cdc_decrement_lsn(lsn)`.
+pub fn decrement_lsn(lsn: Lsn) -> Statement {
+    Statement::new("SELECT sys.fn_cdc_decrement_lsn(@P1) AS lsn".into(), vec![SqlValue::Bytes(lsn.0.to_vec())])
+}
+
+/// The columns of a user table with their base types, in column order.
+/// Columns: name, type_name, max_length, precision, scale, is_nullable.
+pub fn table_columns(t: &TableName) -> Statement {
+    Statement::new(
+        "SELECT c.name, ty.name AS type_name, CAST(c.max_length AS int) AS max_len, CAST(c.precision AS int) AS num_precision, \
+         CAST(c.scale AS int) AS num_scale, c.is_nullable \
+         FROM sys.columns AS c JOIN sys.types AS ty ON ty.user_type_id = c.system_type_id \
+         WHERE c.object_id = OBJECT_ID(@P1, N'U') ORDER BY c.column_id"
+            .into(),
+        vec![object_name_value(t)],
+    )
+}
+
+/// The key columns of the table's primary key, or else of its unique indexes
+/// (enabled, unfiltered), primary key first, then by index id and key order.
+/// Columns: index_id, is_primary_key, column name.
+pub fn table_unique_keys(t: &TableName) -> Statement {
+    Statement::new(
+        "SELECT i.index_id, i.is_primary_key, c.name \
+         FROM sys.indexes AS i \
+         JOIN sys.index_columns AS ic ON ic.object_id = i.object_id AND ic.index_id = i.index_id \
+         JOIN sys.columns AS c ON c.object_id = ic.object_id AND c.column_id = ic.column_id \
+         WHERE i.object_id = OBJECT_ID(@P1, N'U') AND i.is_unique = 1 AND i.has_filter = 0 AND i.is_disabled = 0 AND ic.key_ordinal > 0 \
+         ORDER BY i.is_primary_key DESC, i.index_id, ic.key_ordinal"
+            .into(),
+        vec![object_name_value(t)],
+    )
+}
+
+/// The table's capture instances, oldest first. Columns: capture_instance, start_lsn.
+pub fn capture_instances(t: &TableName) -> Statement {
+    Statement::new(
+        "SELECT ct.capture_instance, ct.start_lsn \
+         FROM cdc.change_tables AS ct WHERE ct.source_object_id = OBJECT_ID(@P1, N'U') \
+         ORDER BY ct.create_date, ct.object_id"
+            .into(),
+        vec![object_name_value(t)],
+    )
+}
+
+/// Whether CDC is enabled on the current database (when it is not, the `cdc`
+/// schema and its tables do not exist). Column: cdc_enabled (int).
+pub fn database_cdc_enabled() -> Statement {
+    Statement::new("SELECT CAST(d.is_cdc_enabled AS int) AS cdc_enabled FROM sys.databases AS d WHERE d.database_id = DB_ID()".into(), vec![])
+}
+
+/// The captured columns of every instance of the table, with the types the
+/// change table holds them in, in column ordinal order; nullability from the
+/// source column while it exists. Columns: capture_instance, column_name,
+/// type_name, max_length, precision, scale, is_nullable.
+pub fn captured_columns(t: &TableName) -> Statement {
+    Statement::new(
+        "SELECT ct.capture_instance, cc.column_name, ty.name AS type_name, CAST(c.max_length AS int) AS max_len, \
+         CAST(c.precision AS int) AS num_precision, CAST(c.scale AS int) AS num_scale, \
+         CAST(COALESCE(sc.is_nullable, 1) AS bit) AS is_nullable \
+         FROM cdc.change_tables AS ct \
+         JOIN cdc.captured_columns AS cc ON cc.object_id = ct.object_id \
+         JOIN sys.columns AS c ON c.object_id = ct.object_id AND c.name = cc.column_name \
+         JOIN sys.types AS ty ON ty.user_type_id = c.system_type_id \
+         LEFT JOIN sys.columns AS sc ON sc.object_id = ct.source_object_id AND sc.name = cc.column_name \
+         WHERE ct.source_object_id = OBJECT_ID(@P1, N'U') \
+         ORDER BY ct.capture_instance, cc.column_ordinal"
+            .into(),
+        vec![object_name_value(t)],
+    )
+}
+
+/// The index columns of every instance of the table. Columns: capture_instance, column_name.
+pub fn index_columns(t: &TableName) -> Statement {
+    Statement::new(
+        "SELECT ct.capture_instance, ic.column_name \
+         FROM cdc.change_tables AS ct JOIN cdc.index_columns AS ic ON ic.object_id = ct.object_id \
+         WHERE ct.source_object_id = OBJECT_ID(@P1, N'U') \
+         ORDER BY ct.capture_instance, ic.index_ordinal"
+            .into(),
+        vec![object_name_value(t)],
+    )
+}
+
+/// The changes of one instance in `[from, to]` with their commit times, in
+/// commit order. Change tables from before KB3030352 have no `__$command_id`:
+/// with `with_command_id = false` it is read as NULL and left out of the order.
+pub fn changes(
+    capture_instance: &str,
+    columns: &[ColumnDesc],
+    from: Lsn,
+    to: Lsn,
+    filter: RowFilter,
+    with_command_id: bool,
+) -> Statement {
+    let mut p = Params::default();
+    let from_p = p.bind(SqlValue::Bytes(from.0.to_vec()));
+    let to_p = p.bind(SqlValue::Bytes(to.0.to_vec()));
+    let (start, seq, op, cmd, time) = (
+        quote_ident(CHANGE_START_LSN),
+        quote_ident(CHANGE_SEQVAL),
+        quote_ident(CHANGE_OPERATION),
+        quote_ident(CHANGE_COMMAND_ID),
+        quote_ident(CHANGE_TRAN_END_TIME),
+    );
+    let cmd_item = if with_command_id { format!("c.{cmd}") } else { format!("CAST(NULL AS int) AS {cmd}") };
+    let mut items = vec![format!("c.{start}"), format!("c.{seq}"), format!("c.{op}"), cmd_item, format!("m.tran_end_time AS {time}")];
+    items.extend(columns.iter().map(|c| select_item("c.", c)));
+    let order = if with_command_id {
+        format!("c.{start}, c.{cmd}, c.{seq}, c.{op}")
+    } else {
+        format!("c.{start}, c.{seq}, c.{op}")
+    };
+    let filter = match filter {
+        RowFilter::All => "N'all'",
+        RowFilter::AllUpdateOld => "N'all update old'",
+    };
+    Statement::new(
+        format!(
+            "SELECT {} FROM {}({from_p}, {to_p}, {filter}) AS c LEFT JOIN cdc.lsn_time_mapping AS m ON m.start_lsn = c.{start} ORDER BY {order}",
+            items.join(", "),
+            all_changes_function(capture_instance),
+        ),
+        p.0,
+    )
+}
+
+/// A key column and its type (the type decides how its bound is cast).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeyCol {
+    pub name: String,
+    pub sql_type: SqlType,
+}
+
+/// One side of the lexicographic comparison `key (op) bound`, for rows
+/// whose key columns are all non-NULL. A NULL in the bound sorts lowest (as
+/// ORDER BY does). Returns "1 = 0" when no row qualifies.
+fn lex_compare(keys: &[KeyCol], bound: &[SqlValue], greater: bool, p: &mut Params) -> String {
+    // One placeholder per bound component, bound at its first use (a
+    // component only ever compared with NULL binds nothing) and reused.
+    let mut cache: Vec<Option<String>> = vec![None; keys.len()];
+    let mut holder = |i: usize, p: &mut Params| -> Option<String> {
+        if bound[i].is_null() {
+            return None;
+        }
+        if cache[i].is_none() {
+            cache[i] = Some(format!("CAST({} AS {})", p.bind(bound[i].clone()), cast_type(&keys[i].sql_type)));
+        }
+        cache[i].clone()
+    };
+    let n = keys.len();
+    let mut terms = Vec::new();
+    'term: for i in 0..n {
+        // k = NULL holds for no non-NULL key: such a prefix makes the term false.
+        if bound[..i].iter().any(SqlValue::is_null) || (bound[i].is_null() && !greater) {
+            continue 'term;
+        }
+        let mut parts = Vec::new();
+        for j in 0..i {
+            if let Some(h) = holder(j, p) {
+                parts.push(format!("{} = {h}", quote_ident(&keys[j].name)));
+            }
+        }
+        let col = quote_ident(&keys[i].name);
+        let last = i + 1 == n;
+        match (holder(i, p), greater) {
+            (Some(h), true) => parts.push(format!("{col} {} {h}", if last { ">=" } else { ">" })),
+            (Some(h), false) => parts.push(format!("{col} < {h}")),
+            // Every non-NULL value is above NULL, none is below it.
+            (None, true) => parts.push(format!("{col} IS NOT NULL")),
+            (None, false) => continue 'term,
+        }
+        terms.push(if parts.len() == 1 { parts.pop().unwrap_or_default() } else { format!("({})", parts.join(" AND ")) });
+    }
+    if terms.is_empty() {
+        "1 = 0".into()
+    } else {
+        terms.join(" OR ")
+    }
+}
+
+/// The WHERE condition of a key range, or None for the whole table.
+///
+/// `lo` (inclusive) keeps rows whose key is at or above it and excludes rows
+/// with a NULL in any key column; `hi` (exclusive) keeps rows below it and,
+/// so that the first range of a tiling holds them, rows with a NULL key
+/// column. Ranges sharing a bound thus never share a row, and together they
+/// cover the table.
+fn range_condition(keys: &[KeyCol], range: &KeyRange, p: &mut Params) -> Result<Option<String>, String> {
+    let mut conds = Vec::new();
+    for b in [&range.lo, &range.hi].into_iter().flatten() {
+        if b.len() != keys.len() {
+            return Err(format!("a range bound has {} values for {} key columns", b.len(), keys.len()));
+        }
+    }
+    if let Some(lo) = &range.lo {
+        let cmp = lex_compare(keys, lo, true, p);
+        if keys.len() > 1 {
+            let not_null: Vec<String> = keys.iter().map(|k| format!("{} IS NOT NULL", quote_ident(&k.name))).collect();
+            conds.push(format!("({}) AND ({cmp})", not_null.join(" AND ")));
+        } else {
+            conds.push(format!("({cmp})"));
+        }
+    }
+    if let Some(hi) = &range.hi {
+        let cmp = lex_compare(keys, hi, false, p);
+        let nulls: Vec<String> = keys.iter().map(|k| format!("{} IS NULL", quote_ident(&k.name))).collect();
+        conds.push(format!("({} OR {cmp})", nulls.join(" OR ")));
+    }
+    Ok(if conds.is_empty() { None } else { Some(conds.join(" AND ")) })
+}
+
+/// A column of a snapshot read and whether the table still has it (a captured
+/// column dropped from the table reads as NULL).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReadColumn {
+    pub desc: ColumnDesc,
+    pub present: bool,
+}
+
+/// The rows of one key range. Row order is left to the server.
+pub fn snapshot_read(table: &TableName, columns: &[ReadColumn], keys: &[KeyCol], range: &KeyRange) -> Result<Statement, String> {
+    let mut p = Params::default();
+    let items: Vec<String> = columns
+        .iter()
+        .map(|c| {
+            if c.present {
+                select_item("", &c.desc)
+            } else {
+                format!("CAST(NULL AS {}) AS {}", cast_type(&c.desc.sql_type), quote_ident(&c.desc.name))
+            }
+        })
+        .collect();
+    let mut sql = format!("SELECT {} FROM {}", items.join(", "), quote_table(table));
+    if let Some(w) = range_condition(keys, range, &mut p)? {
+        sql.push_str(" WHERE ");
+        sql.push_str(&w);
+    }
+    Ok(Statement::new(sql, p.0))
+}
+
+fn key_list(keys: &[KeyCol], desc: bool) -> String {
+    keys.iter().map(|k| format!("{}{}", quote_ident(&k.name), if desc { " DESC" } else { "" })).collect::<Vec<_>>().join(", ")
+}
+
+/// The smallest and largest key, ignoring rows with a NULL key column. One
+/// column: MIN and MAX in one row. Several (or bit, which has no MIN): two rows,
+/// `end_no` 0 for the smallest and 1 for the largest, each the first in order.
+pub fn key_extent(table: &TableName, keys: &[KeyCol]) -> Statement {
+    let t = quote_table(table);
+    if keys.len() == 1 && keys[0].sql_type != SqlType::Bit {
+        let k = quote_ident(&keys[0].name);
+        return Statement::new(format!("SELECT MIN({k}) AS lo, MAX({k}) AS hi FROM {t}"), vec![]);
+    }
+    let not_null: Vec<String> = keys.iter().map(|k| format!("{} IS NOT NULL", quote_ident(&k.name))).collect();
+    let w = not_null.join(" AND ");
+    let cols = key_list(keys, false);
+    Statement::new(
+        format!(
+            "SELECT lo.* FROM (SELECT TOP (1) 0 AS end_no, {cols} FROM {t} WHERE {w} ORDER BY {cols}) AS lo \
+             UNION ALL SELECT hi.* FROM (SELECT TOP (1) 1 AS end_no, {cols} FROM {t} WHERE {w} ORDER BY {desc}) AS hi",
+            desc = key_list(keys, true),
+        ),
+        vec![],
+    )
+}
+
+/// Row counts per slice `[lo + i*width, lo + (i+1)*width)` of an integer
+/// column over `[lo, hi]`. The slice start is computed in decimal(38,0) with
+/// `%`, which is exact: `k - lo` can exceed bigint when the range spans it
+/// all, and decimal division would round. Columns: slice_start, n.
+pub fn slice_counts(table: &TableName, key: &str, lo: i64, hi: i64, width: i64) -> Statement {
+    let mut p = Params::default();
+    let (lo_p, hi_p, w_p) = (p.bind(SqlValue::Int(lo)), p.bind(SqlValue::Int(hi)), p.bind(SqlValue::Int(width)));
+    let k = quote_ident(key);
+    Statement::new(
+        format!(
+            "SELECT s.slice_start, COUNT_BIG(*) AS n FROM (\
+             SELECT CAST({lo_p} + (d.dist - d.dist % {w_p}) AS bigint) AS slice_start FROM (\
+             SELECT CAST({k} AS decimal(38,0)) - {lo_p} AS dist FROM {t} WHERE {k} BETWEEN {lo_p} AND {hi_p}) AS d) AS s \
+             GROUP BY s.slice_start ORDER BY s.slice_start",
+            t = quote_table(table),
+        ),
+        p.0,
+    )
+}
+
+/// Reconcile tier 1: per slice of an integer key, the row count and the exact
+/// sum of the key. Columns: slice_start, n, key_sum (decimal(38,0)).
+pub fn bucket_sums(table: &TableName, key: &str, lo: i64, hi: i64, width: i64) -> Statement {
+    let mut p = Params::default();
+    let (lo_p, hi_p, w_p) = (p.bind(SqlValue::Int(lo)), p.bind(SqlValue::Int(hi)), p.bind(SqlValue::Int(width)));
+    let k = quote_ident(key);
+    Statement::new(
+        format!(
+            "SELECT s.slice_start, COUNT_BIG(*) AS n, SUM(s.k) AS key_sum FROM (\
+             SELECT CAST({lo_p} + (d.dist - d.dist % {w_p}) AS bigint) AS slice_start, d.k FROM (\
+             SELECT CAST({k} AS decimal(38,0)) AS k, CAST({k} AS decimal(38,0)) - {lo_p} AS dist FROM {t} \
+             WHERE {k} BETWEEN {lo_p} AND {hi_p}) AS d) AS s \
+             GROUP BY s.slice_start ORDER BY s.slice_start",
+            t = quote_table(table),
+        ),
+        p.0,
+    )
+}
+
+/// The key of the `(n+1)`-th row of the range in key order: the first `n+1`
+/// rows are taken in key order, and the last of them is returned with how many
+/// there were (`taken`); the caller keeps it only when `taken = n+1`.
+/// Columns: the key columns, then taken.
+pub fn key_seek(table: &TableName, keys: &[KeyCol], range: &KeyRange, n: u64) -> Result<Statement, String> {
+    let mut p = Params::default();
+    let take = i64::try_from(n).ok().and_then(|n| n.checked_add(1)).ok_or_else(|| format!("seek offset {n} is too large"))?;
+    let top = p.bind(SqlValue::Int(take));
+    let cols = key_list(keys, false);
+    let mut inner = format!("SELECT TOP ({top}) {cols} FROM {}", quote_table(table));
+    if let Some(w) = range_condition(keys, range, &mut p)? {
+        inner.push_str(" WHERE ");
+        inner.push_str(&w);
+    }
+    inner.push_str(&format!(" ORDER BY {cols}"));
+    let outer_cols = keys.iter().map(|k| format!("s.{}", quote_ident(&k.name))).collect::<Vec<_>>().join(", ");
+    let outer_desc = keys.iter().map(|k| format!("s.{} DESC", quote_ident(&k.name))).collect::<Vec<_>>().join(", ");
+    Ok(Statement::new(
+        format!("SELECT TOP (1) {outer_cols}, COUNT_BIG(*) OVER () AS taken FROM ({inner}) AS s ORDER BY {outer_desc}"),
+        p.0,
+    ))
+}
+
+/// `sys.sp_spaceused` of the table (its `rows` column is the estimate).
+pub fn row_estimate(table: &TableName) -> Statement {
+    Statement::new("EXEC sys.sp_spaceused @objname = @P1".into(), vec![object_name_value(table)])
+}
+
+/// `sys.fn_cdc_map_time_to_lsn(op, t)`; `t` goes through datetime as the function's parameter does.
+pub fn time_to_lsn(op: TimeOp, local_time: NaiveDateTime) -> Statement {
+    Statement::new(
+        "SELECT sys.fn_cdc_map_time_to_lsn(@P1, CAST(@P2 AS datetime)) AS lsn".into(),
+        vec![SqlValue::Str(op.sql_literal().into()), SqlValue::DateTime(local_time)],
+    )
+}
+
+/// `sys.fn_cdc_map_lsn_to_time(lsn)`.
+pub fn lsn_to_time(lsn: Lsn) -> Statement {
+    Statement::new("SELECT sys.fn_cdc_map_lsn_to_time(@P1) AS tran_end_time".into(), vec![SqlValue::Bytes(lsn.0.to_vec())])
+}
+
+/// The server's zone name (SQL Server 2022 and Azure SQL; older servers answer
+/// with error 195 and the configured zone is used instead).
+pub fn server_time_zone() -> Statement {
+    Statement::new("SELECT CURRENT_TIMEZONE_ID() AS zone_id".into(), vec![])
+}
+
+/// Sent with `simple_query` on the connection before a read, and back after.
+pub fn set_isolation(level: crate::source::Isolation) -> &'static str {
+    match level {
+        crate::source::Isolation::ReadCommitted => "SET TRANSACTION ISOLATION LEVEL READ COMMITTED",
+        crate::source::Isolation::Snapshot => "SET TRANSACTION ISOLATION LEVEL SNAPSHOT",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::Isolation;
+    use chrono::NaiveDate;
+    use deltalake::datafusion::sql::sqlparser::dialect::MsSqlDialect;
+    use deltalake::datafusion::sql::sqlparser::parser::Parser;
+
+    fn golden(name: &str, s: &Statement) {
+        // Every statement must parse as T-SQL: a syntax slip shows here, without a server.
+        if let Err(e) = Parser::parse_sql(&MsSqlDialect {}, &s.sql) {
+            panic!("{name}: sqlparser rejects the statement: {e}\n{}", s.sql);
+        }
+        insta::with_settings!({snapshot_path => "../../snapshots", prepend_module_to_snapshot => false}, {
+            insta::assert_snapshot!(format!("mssql__{name}"), s.to_string());
+        });
+    }
+
+    fn odd_table() -> TableName {
+        TableName::new("sales ]data", "Order's Ünïcode]")
+    }
+
+    fn key(name: &str, t: SqlType) -> KeyCol {
+        KeyCol { name: name.into(), sql_type: t }
+    }
+
+    fn cols() -> Vec<ColumnDesc> {
+        vec![
+            ColumnDesc::new("id", SqlType::Int, false),
+            ColumnDesc::new("na]me", SqlType::NVarChar { len: Some(40) }, true),
+            ColumnDesc::new("prix €", SqlType::Money, true),
+            ColumnDesc::new("small", SqlType::SmallMoney, true),
+        ]
+    }
+
+    #[test]
+    fn quoting_follows_quotename() {
+        assert_eq!(quote_ident("a]b"), "[a]]b]");
+        assert_eq!(quote_ident("it's"), "[it's]");
+        assert_eq!(quote_ident("x]]"), "[x]]]]]");
+        assert_eq!(quote_table(&odd_table()), "[sales ]]data].[Order's Ünïcode]]]");
+        assert_eq!(all_changes_function("dbo_t]x"), "cdc.[fn_cdc_get_all_changes_dbo_t]]x]");
+    }
+
+    #[test]
+    fn lsn_statements() {
+        let l = Lsn::from_parts(0x31, 0xda0, 1);
+        golden("max_lsn", &max_lsn());
+        golden("min_lsn", &min_lsn("dbo_Orders"));
+        golden("increment_lsn", &increment_lsn(l));
+        golden("decrement_lsn", &decrement_lsn(l));
+        golden("lsn_to_time", &lsn_to_time(l));
+        let t = NaiveDate::from_ymd_opt(2026, 3, 8).unwrap().and_hms_milli_opt(1, 2, 3, 456).unwrap();
+        for (name, op) in [
+            ("time_to_lsn_lt", TimeOp::LargestLessThan),
+            ("time_to_lsn_le", TimeOp::LargestLessThanOrEqual),
+            ("time_to_lsn_gt", TimeOp::SmallestGreaterThan),
+            ("time_to_lsn_ge", TimeOp::SmallestGreaterThanOrEqual),
+        ] {
+            golden(name, &time_to_lsn(op, t));
+        }
+        golden("server_time_zone", &server_time_zone());
+    }
+
+    #[test]
+    fn catalog_statements() {
+        let t = odd_table();
+        golden("table_columns", &table_columns(&t));
+        golden("table_unique_keys", &table_unique_keys(&t));
+        golden("capture_instances", &capture_instances(&t));
+        golden("captured_columns", &captured_columns(&t));
+        golden("index_columns", &index_columns(&t));
+        golden("database_cdc_enabled", &database_cdc_enabled());
+        golden("row_estimate", &row_estimate(&t));
+    }
+
+    #[test]
+    fn change_statements() {
+        let (a, b) = (Lsn::from_parts(1, 2, 3), Lsn::from_parts(4, 5, 6));
+        golden("changes_all", &changes("dbo_Orders", &cols(), a, b, RowFilter::All, true));
+        golden("changes_update_old", &changes("odd ]ci'", &cols(), a, b, RowFilter::AllUpdateOld, true));
+        golden("changes_no_command_id", &changes("dbo_Orders", &cols(), a, b, RowFilter::All, false));
+    }
+
+    #[test]
+    fn snapshot_statements() {
+        let t = odd_table();
+        let read: Vec<ReadColumn> = cols().into_iter().map(|desc| ReadColumn { present: desc.name != "small", desc }).collect();
+        let k1 = vec![key("id", SqlType::Int)];
+        let k2 = vec![key("region ]x", SqlType::VarChar { len: Some(10) }), key("id", SqlType::BigInt)];
+        let r = |lo: Option<Vec<SqlValue>>, hi: Option<Vec<SqlValue>>| KeyRange { lo, hi };
+        golden("snapshot_all", &snapshot_read(&t, &read, &k1, &KeyRange::all()).unwrap());
+        golden("snapshot_first", &snapshot_read(&t, &read, &k1, &r(None, Some(vec![SqlValue::Int(100)]))).unwrap());
+        golden("snapshot_middle", &snapshot_read(&t, &read, &k1, &r(Some(vec![SqlValue::Int(100)]), Some(vec![SqlValue::Int(200)]))).unwrap());
+        golden("snapshot_last", &snapshot_read(&t, &read, &k1, &r(Some(vec![SqlValue::Int(200)]), None)).unwrap());
+        let lo = vec![SqlValue::Str("nord'".into()), SqlValue::Int(7)];
+        let hi = vec![SqlValue::Str("süd".into()), SqlValue::Int(-1)];
+        golden("snapshot_composite_first", &snapshot_read(&t, &read, &k2, &r(None, Some(lo.clone()))).unwrap());
+        golden("snapshot_composite_middle", &snapshot_read(&t, &read, &k2, &r(Some(lo.clone()), Some(hi.clone()))).unwrap());
+        golden("snapshot_composite_null_bound", &snapshot_read(&t, &read, &k2, &r(Some(vec![SqlValue::Str("a".into()), SqlValue::Null]), Some(vec![SqlValue::Null, SqlValue::Int(3)]))).unwrap());
+        assert!(snapshot_read(&t, &read, &k2, &r(Some(vec![SqlValue::Int(1)]), None)).is_err());
+    }
+
+    #[test]
+    fn planning_statements() {
+        let t = odd_table();
+        let k1 = vec![key("id", SqlType::Int)];
+        let k2 = vec![key("region ]x", SqlType::VarChar { len: Some(10) }), key("id", SqlType::BigInt)];
+        golden("key_extent_single", &key_extent(&t, &k1));
+        golden("key_extent_composite", &key_extent(&t, &k2));
+        golden("slice_counts", &slice_counts(&t, "id ]", i64::MIN, i64::MAX, 1 << 40));
+        golden("bucket_sums", &bucket_sums(&t, "id ]", -10, 1_000, 100));
+        golden("key_seek_first", &key_seek(&t, &k1, &KeyRange::all(), 0).unwrap());
+        let range = KeyRange { lo: Some(vec![SqlValue::Str("m".into()), SqlValue::Int(5)]), hi: Some(vec![SqlValue::Str("t".into()), SqlValue::Int(0)]) };
+        golden("key_seek_composite", &key_seek(&t, &k2, &range, 1000).unwrap());
+        assert!(key_seek(&t, &k1, &KeyRange::all(), u64::MAX).is_err());
+    }
+
+    #[test]
+    fn isolation_statements() {
+        assert_eq!(set_isolation(Isolation::Snapshot), "SET TRANSACTION ISOLATION LEVEL SNAPSHOT");
+        assert_eq!(set_isolation(Isolation::ReadCommitted), "SET TRANSACTION ISOLATION LEVEL READ COMMITTED");
+    }
+
+    /// The range predicates, run on SQLite (which reads bracketed names (without `]]`),
+    /// `@Pn` parameters and NULL comparisons as SQL Server does), select exactly
+    /// the rows `KeyRange::contains` puts in the range, NULL keys included.
+    #[test]
+    fn range_predicates_match_key_range_contains() {
+        let db = rusqlite::Connection::open_in_memory().unwrap();
+        db.execute_batch("CREATE TABLE [t x] (rid INTEGER, [a x] INTEGER, [b c] INTEGER)").unwrap();
+        let dom = [None, Some(0i64), Some(1), Some(2)];
+        let as_val = |v: Option<i64>| v.map(SqlValue::Int).unwrap_or(SqlValue::Null);
+        let mut rows = Vec::new();
+        for a in dom {
+            for b in dom {
+                let rid = rows.len() as i64;
+                db.execute("INSERT INTO [t x] VALUES (?1, ?2, ?3)", rusqlite::params![rid, a, b]).unwrap();
+                rows.push(vec![as_val(a), as_val(b)]);
+            }
+        }
+        let table = TableName::new("main", "t x");
+        let all_keys = vec![key("a x", SqlType::BigInt), key("b c", SqlType::BigInt)];
+        for width in [1usize, 2] {
+            let keys = &all_keys[..width];
+            let read = vec![ReadColumn { desc: ColumnDesc::new("rid", SqlType::BigInt, false), present: true }];
+            let mut bounds: Vec<Option<Vec<SqlValue>>> = vec![None];
+            for r in &rows {
+                bounds.push(Some(r[..width].to_vec()));
+            }
+            for lo in &bounds {
+                for hi in &bounds {
+                    let range = KeyRange { lo: lo.clone(), hi: hi.clone() };
+                    let st = snapshot_read(&table, &read, keys, &range).unwrap();
+                    let mut q = db.prepare(&st.sql).unwrap_or_else(|e| panic!("{e}: {}", st.sql));
+                    for (i, p) in st.params.iter().enumerate() {
+                        let idx = q.parameter_index(&format!("@P{}", i + 1)).unwrap().unwrap();
+                        let SqlValue::Int(v) = p else { panic!("{p:?}") };
+                        q.raw_bind_parameter(idx, v).unwrap();
+                    }
+                    let mut got = std::collections::BTreeSet::new();
+                    let mut rs = q.raw_query();
+                    while let Some(r) = rs.next().unwrap() {
+                        got.insert(r.get::<_, i64>(0).unwrap());
+                    }
+                    let want: std::collections::BTreeSet<i64> =
+                        rows.iter().enumerate().filter(|(_, r)| range.contains(&r[..width])).map(|(i, _)| i as i64).collect();
+                    assert_eq!(got, want, "range {range:?}\n{}", st.sql);
+                }
+            }
+        }
+    }
+}
