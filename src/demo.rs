@@ -69,6 +69,7 @@ impl Harness {
             clock: Clock::Wall,
             time_zone: "America/Sao_Paulo".into(),
             capture_lag_ms: 300,
+            idle_interval_seconds: 1,
             seed,
             ..SimConfig::default()
         };
@@ -177,6 +178,15 @@ async fn full(args: DemoArgs) -> StepResult<(Value, bool)> {
     h.say(format!("created a simulated dbo.orders with {} rows in {create_s:.1}s; writer starting", args.rows));
     h.start_writer(args.writer_tx_per_s, args.seed);
 
+    // The capture job's first scans: a snapshot needs an LSN to stand at.
+    let wait_start = Instant::now();
+    while h.db.max_lsn().map_err(|e| StepError::Internal(format!("simulator: {e}")))?.is_none() {
+        if wait_start.elapsed() > Duration::from_secs(30) {
+            return Err(StepError::Temporary("the simulated capture job recorded no LSN within 30 s".into()));
+        }
+        let _ = h.db.capture();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let t_boot = Instant::now();
     h.say("bootstrap: reading the table at S over 4 connections");
     let mut ctx = Context::open(h.workflow()?).await?;

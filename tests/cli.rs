@@ -131,8 +131,9 @@ fn purged_range_exits_3_naming_the_gap() {
     rt.block_on(s.stream()).unwrap();
     s.changes(5);
     // Four days pass without the stream; cleanup purges past its position.
-    s.db.advance_clock(chrono::Duration::days(4)).unwrap();
+    s.db.advance_clock(std::time::Duration::from_secs(4 * 24 * 3600)).unwrap();
     s.changes(3);
+    s.db.capture().unwrap();
     s.db.cleanup(None).unwrap();
     let out = run(&["--workflow", s.wf_path.to_str().unwrap(), "stream"]);
     let j = last_json(&out);

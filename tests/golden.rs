@@ -8,6 +8,8 @@ const BOOTSTRAP: &str = "[snapshot]\nbootstrap = true\nmode = \"full\"\nparallel
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bootstrap_then_three_batches() {
+    // Failpoints are process-wide: hold the scenario lock so the other test's cannot fire here.
+    let _failpoints = fail::FailScenario::setup();
     let mut s = Scenario::new(50, BOOTSTRAP);
     s.stream().await.unwrap(); // bootstrap; nothing captured after S yet
     for _ in 0..3 {
@@ -18,16 +20,16 @@ async fn bootstrap_then_three_batches() {
     let cmp = s.verify().await;
     assert_eq!(cmp.differences(), 0, "{cmp:?}");
     let log = s.golden().await;
-    common::golden_settings!().bind(|| insta::assert_snapshot!("golden_bootstrap_three_batches", log));
+    golden_settings!().bind(|| insta::assert_snapshot!("golden_bootstrap_three_batches", log));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_after_bronze_before_facts_then_rerun() {
+    let _failpoints = fail::FailScenario::setup();
     let mut s = Scenario::new(20, BOOTSTRAP);
     s.stream().await.unwrap();
     s.changes(5);
     {
-        let _guard = fail::FailScenario::setup();
         fail::cfg("stream.after_bronze", "return").unwrap();
         let e = s.stream().await.unwrap_err();
         assert!(e.to_string().contains("stream.after_bronze"), "{e}");
@@ -43,5 +45,5 @@ async fn crash_after_bronze_before_facts_then_rerun() {
     assert_eq!(s.duplicate_change_rows().await, 0);
     assert_eq!(s.duplicate_batch_rows().await, 0);
     let log = s.golden().await;
-    common::golden_settings!().bind(|| insta::assert_snapshot!("golden_crash_after_bronze", log));
+    golden_settings!().bind(|| insta::assert_snapshot!("golden_crash_after_bronze", log));
 }

@@ -229,14 +229,18 @@ pub fn summary(rows: &[FactRow]) -> serde_json::Value {
     serde_json::Value::Array(
         rows.iter()
             .map(|r| {
-                serde_json::json!({
+                let mut v = serde_json::json!({
                     "event": r.event,
                     "generation": r.generation,
                     "batch_id": r.batch_id,
                     "min_lsn": r.min_lsn,
                     "max_lsn": r.max_lsn,
                     "rows": r.rows,
-                })
+                });
+                if r.detail.as_ref().and_then(|d| d.get("repaired")).is_some() {
+                    v["repaired"] = serde_json::json!(true);
+                }
+                v
             })
             .collect(),
     )

@@ -119,26 +119,25 @@ pub async fn open_existing(location: &str, storage: &HashMap<String, String>) ->
         .with_storage_options(storage.clone())
         .build()
         .map_err(StepError::delta(location))?;
-    match table.load().await {
-        Ok(()) => Ok(Some(table)),
-        Err(deltalake::DeltaTableError::NotATable(_)) | Err(deltalake::DeltaTableError::InvalidTableLocation(_)) => {
-            // No log: the location must be empty for us to create a table there.
-            let store = table.object_store();
-            let mut listing = store.list(None);
-            if let Some(first) = listing.next().await {
-                let what = match first {
-                    Ok(meta) => meta.location.to_string(),
-                    Err(e) => return Err(StepError::Temporary(format!("cannot list {location}: {e}"))),
-                };
-                return Err(StepError::Config(format!(
-                    "{location} is not a Delta table but holds other files (for example '{what}'): \
-                     point the workflow at an empty folder or an existing Delta table"
-                )));
-            }
-            Ok(None)
-        }
-        Err(e) => Err(StepError::delta(location)(e)),
+    let exists = table.verify_deltatable_existence().await.map_err(StepError::delta(location))?;
+    if exists {
+        table.load().await.map_err(StepError::delta(location))?;
+        return Ok(Some(table));
     }
+    // No log: the location must be empty for us to create a table there.
+    let store = table.object_store();
+    let mut listing = store.list(None);
+    if let Some(first) = listing.next().await {
+        let what = match first {
+            Ok(meta) => meta.location.to_string(),
+            Err(e) => return Err(StepError::Temporary(format!("cannot list {location}: {e}"))),
+        };
+        return Err(StepError::Config(format!(
+            "{location} is not a Delta table but holds other files (for example '{what}'): \
+             point the workflow at an empty folder or an existing Delta table"
+        )));
+    }
+    Ok(None)
 }
 
 /// Checks that an existing table is of the expected kind and migrates it to
@@ -252,17 +251,18 @@ pub async fn open_or_create(
         .with_columns(kernel.fields().cloned())
         .with_comment(description)
         .with_configuration(props)
+        .with_raise_if_key_not_exists(false)
         .with_save_mode(deltalake::protocol::SaveMode::ErrorIfExists)
         .await;
     match created {
         Ok(t) => Ok(t),
         // Another process created it between our look and our create: use theirs.
-        Err(_) => match open_existing(location, storage).await? {
+        Err(create_error) => match open_existing(location, storage).await? {
             Some(mut t) => {
                 check_kind_and_migrate(&mut t, location, kind, schema).await?;
                 Ok(t)
             }
-            None => Err(StepError::Temporary(format!("could not create the {} table at {location}", kind.name()))),
+            None => Err(StepError::delta(location)(create_error)),
         },
     }
 }
@@ -396,7 +396,35 @@ pub async fn query(table: &DeltaTable, sql: &str) -> StepResult<Vec<RecordBatch>
     let ctx = session_for(table).await?;
     let label = table.table_url().to_string();
     let df = ctx.sql(sql).await.map_err(|e| StepError::Internal(format!("query on {label} failed to plan: {e}\n{sql}")))?;
-    df.collect().await.map_err(|e| StepError::Temporary(format!("query on {label} failed: {e}")))
+    let batches = df.collect().await.map_err(|e| StepError::Temporary(format!("query on {label} failed: {e}")))?;
+    batches.iter().map(plain_types).collect()
+}
+
+/// Casts DataFusion's view types (Utf8View, BinaryView) back to the plain
+/// types the rest of the code reads, so readers need one code path.
+pub fn plain_types(batch: &RecordBatch) -> StepResult<RecordBatch> {
+    use deltalake::arrow::datatypes::{DataType, Field, Schema};
+    let schema = batch.schema();
+    if !schema.fields().iter().any(|f| matches!(f.data_type(), DataType::Utf8View | DataType::BinaryView | DataType::LargeUtf8)) {
+        return Ok(batch.clone());
+    }
+    let mut fields = Vec::with_capacity(schema.fields().len());
+    let mut cols = Vec::with_capacity(schema.fields().len());
+    for (f, c) in schema.fields().iter().zip(batch.columns()) {
+        let to = match f.data_type() {
+            DataType::Utf8View | DataType::LargeUtf8 => DataType::Utf8,
+            DataType::BinaryView => DataType::Binary,
+            other => other.clone(),
+        };
+        let c = if &to != f.data_type() {
+            deltalake::arrow::compute::cast(c, &to).map_err(|e| StepError::Internal(format!("cast {}: {e}", f.name())))?
+        } else {
+            c.clone()
+        };
+        fields.push(Field::new(f.name(), to, f.is_nullable()).with_metadata(f.metadata().clone()));
+        cols.push(c);
+    }
+    RecordBatch::try_new(Arc::new(Schema::new(fields)), cols).map_err(|e| StepError::Internal(format!("batch: {e}")))
 }
 
 /// Runs a SQL query over the table (registered as `t`) as a stream of batches.

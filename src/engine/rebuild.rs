@@ -66,6 +66,7 @@ pub async fn rebuild(bronze_table: &DeltaTable, columns: &[ColumnDesc], keys: &[
     let mut latest: HashMap<String, (Rank, Option<String>)> = HashMap::new();
     while let Some(batch) = stream.next().await {
         let batch = batch.map_err(|e| StepError::Temporary(format!("reading bronze: {e}")))?;
+        let batch = delta::plain_types(&batch)?;
         let col = |name: &str| batch.column_by_name(name).cloned().ok_or_else(|| StepError::Internal(format!("bronze lacks {name}")));
         let start = col(bronze::START_LSN)?;
         let start = start.as_any().downcast_ref::<StringArray>().ok_or_else(|| StepError::Internal("_start_lsn".into()))?;

@@ -55,6 +55,7 @@ pub fn manual_config() -> SimConfig {
         clock: Clock::Manual { start: Utc.with_ymd_and_hms(2026, 3, 1, 12, 0, 0).unwrap(), tick_ms: 1000 },
         time_zone: "America/Sao_Paulo".into(),
         capture_lag_ms: 0,
+        idle_interval_seconds: 1,
         ..SimConfig::default()
     }
 }
@@ -69,6 +70,10 @@ impl Scenario {
         db.create_table(&items_spec(&table)).unwrap();
         db.load_rows(&table, (1..=rows).map(|i| item_row(i, 0))).unwrap();
         db.enable_cdc(&table, None, None).unwrap();
+        // The capture job's first scan: an idle mapping row, so max LSN is set.
+        db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
+        db.capture().unwrap();
+        assert!(db.max_lsn().unwrap().is_some(), "the first capture scan records an LSN");
         let wf_path = dir.path().join("items.toml");
         let mut s = Scenario { dir, db, table, wf_path, next_id: rows + 1, rng: 0x9e37_79b9_7f4a_7c15 };
         s.write_workflow(workflow_extra);
