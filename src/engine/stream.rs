@@ -65,6 +65,7 @@ pub struct StreamResult {
     pub source_max_lsn: Option<Lsn>,
     pub caught_up: bool,
     /// True when the step stopped at max_batches with more to read: call again now.
+    /// (`caught_up` is about the max LSN read when the call started.)
     pub call_again: bool,
     pub repaired_batches: Vec<i64>,
     pub bootstrap: Option<Value>,
@@ -109,13 +110,16 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
         bootstrap,
     };
     let ci = ctx.instance.name.clone();
+    // The call reads up to the max LSN it found when it started: a writer that
+    // never pauses cannot keep one call running forever. The next call picks
+    // up what arrived meanwhile.
+    let max = ctx.source.max_lsn().await?;
+    result.source_max_lsn = max;
     loop {
         if result.batches >= ctx.workflow.stream.max_batches {
             result.call_again = true;
             break;
         }
-        let max = ctx.source.max_lsn().await?;
-        result.source_max_lsn = max;
         let min = ctx.source.min_lsn(&ci).await?;
         match decide(position, max, min) {
             BatchDecision::CaughtUp => {
