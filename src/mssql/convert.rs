@@ -364,10 +364,6 @@ mod tests {
             (SqlType::VarBinary { len: None }, ColumnType::BigVarBin, ColumnData::Binary(Some(vec![3u8; 9000].into()))),
             (SqlType::Timestamp, ColumnType::BigBinary, ColumnData::Binary(Some(vec![0u8, 0, 0, 0, 0, 0, 0, 9].into()))),
             (SqlType::Date, ColumnType::Daten, ColumnData::Date(Some(day1))),
-            // time(n) is left out here: types.rs formats it with chrono's "%.7f",
-            // which chrono does not support, so BatchBuilder::push panics on any
-            // time value (its own batch_round_trip_every_kind test fails the same
-            // way). The conversion itself is checked in `dates_and_times`.
             (SqlType::DateTime, ColumnType::Datetimen, ColumnData::DateTime(Some(TdsDateTime::new(days1900, 1)))),
             (SqlType::SmallDateTime, ColumnType::Datetimen, ColumnData::SmallDateTime(Some(SmallDateTime::new(days1900 as u16, 1439)))),
             (SqlType::DateTime2 { scale: 7 }, ColumnType::Datetime2, ColumnData::DateTime2(Some(DateTime2::new(day1, Time::new(1, 7))))),
@@ -375,6 +371,8 @@ mod tests {
             (SqlType::UniqueIdentifier, ColumnType::Guid, ColumnData::Guid(Some(g))),
             (SqlType::Xml, ColumnType::Xml, ColumnData::Xml(Some(Cow::Owned(XmlData::new("<x/>"))))),
             (SqlType::NVarChar { len: None }, ColumnType::NVarchar, ColumnData::String(None)),
+            // 01:02:03.1234567 in 100 ns increments.
+            (SqlType::Time { scale: 7 }, ColumnType::Timen, ColumnData::Time(Some(Time::new(37_231_234_567, 7)))),
         ];
         let mut b = Row::builder();
         let mut cols = Vec::new();
