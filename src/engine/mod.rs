@@ -8,6 +8,7 @@
 //! point and be called again; the failpoints in [`FAILPOINTS`] sit at every
 //! commit boundary and the crash drill proves it.
 
+pub mod plan;
 pub mod rebuild;
 pub mod snapshot;
 pub mod state;
