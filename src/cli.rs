@@ -32,8 +32,11 @@ pub enum Command {
         #[arg(long)]
         max_batches: Option<u32>,
     },
-    /// Take the bootstrap snapshot now (the stream step also does it when needed).
+    /// Take the bootstrap snapshot now (the stream step also does it when needed);
+    /// in chunked mode, open it (backfill reads it).
     Snapshot,
+    /// Read the open chunked snapshot in waves beside the stream; call again until done.
+    Backfill(BackfillCli),
     /// Print the stream's state: generation, position, lag, open snapshot, last batch, headroom.
     Status,
     /// Drive the embedded SQL Server CDC simulator.
@@ -41,6 +44,66 @@ pub enum Command {
     Sim(crate::sim::cli::SimCommand),
     /// Run a demo scenario end to end on the simulator and check the result.
     Demo(crate::demo::DemoArgs),
+}
+
+/// Flags of `backfill` (each overrides the workflow's value for this call).
+#[derive(Debug, Clone, clap::Args)]
+pub struct BackfillCli {
+    /// The most waves this call reads.
+    #[arg(long)]
+    pub max_waves: Option<u32>,
+    /// Stop starting waves after this many seconds (a wave under way finishes).
+    #[arg(long)]
+    pub max_seconds: Option<f64>,
+    /// Rows per chunk when this call makes the plan (ignored, with a warning, once planned).
+    #[arg(long)]
+    pub chunk_rows: Option<u64>,
+    /// Pause while the stream's retention headroom is below this many hours.
+    #[arg(long)]
+    pub min_headroom_hours: Option<f64>,
+    /// Isolation of the counts, seeks and chunk reads (never NOLOCK).
+    #[arg(long, value_enum)]
+    pub isolation: Option<IsolationArg>,
+    /// Size waves toward this many seconds of reading (0: one round of chunks a wave).
+    #[arg(long)]
+    pub target_wave_seconds: Option<f64>,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum IsolationArg {
+    ReadCommitted,
+    Snapshot,
+}
+
+impl BackfillCli {
+    /// The step's arguments, checked before anything is read or written.
+    pub fn to_args(&self) -> Result<crate::engine::chunked::BackfillArgs, StepError> {
+        let bad = |m: String| Err(StepError::Config(m));
+        if self.chunk_rows == Some(0) {
+            return bad("--chunk-rows must be at least 1".into());
+        }
+        if self.max_waves == Some(0) {
+            return bad("--max-waves must be at least 1".into());
+        }
+        for (name, v) in [("--max-seconds", self.max_seconds), ("--min-headroom-hours", self.min_headroom_hours), ("--target-wave-seconds", self.target_wave_seconds)] {
+            if let Some(v) = v {
+                if !(v >= 0.0 && v.is_finite()) {
+                    return bad(format!("{name} is {v}: use a number of 0 or more"));
+                }
+            }
+        }
+        Ok(crate::engine::chunked::BackfillArgs {
+            max_waves: self.max_waves,
+            max_seconds: self.max_seconds,
+            chunk_rows: self.chunk_rows,
+            min_headroom_hours: self.min_headroom_hours,
+            isolation: self.isolation.map(|i| match i {
+                IsolationArg::ReadCommitted => crate::source::Isolation::ReadCommitted,
+                IsolationArg::Snapshot => crate::source::Isolation::Snapshot,
+            }),
+            target_wave_seconds: self.target_wave_seconds,
+        })
+    }
 }
 
 /// Runs the command line; returns the process exit code.
@@ -118,8 +181,26 @@ pub async fn run(cli: Cli) -> Result<(Value, i32), StepError> {
         }
         Command::Snapshot => {
             let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;
+            if ctx.workflow.snapshot.mode == crate::workflow::SnapshotMode::Chunked {
+                let v = match crate::engine::chunked::ensure_bootstrap_open(&mut ctx).await? {
+                    Some(r) => serde_json::to_value(&r).unwrap_or(Value::Null),
+                    None => {
+                        let st = crate::engine::state::load(&mut ctx).await?;
+                        json!({"step": "snapshot", "mode": "chunked", "already_done": true, "snapshot_lsn": st.snapshot, "generation": st.generation})
+                    }
+                };
+                return Ok((v, EXIT_OK));
+            }
             let r = crate::engine::snapshot::ensure_bootstrap(&mut ctx).await?;
             Ok((serde_json::to_value(&r).unwrap_or(Value::Null), EXIT_OK))
+        }
+        Command::Backfill(flags) => {
+            let args = flags.to_args()?;
+            let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;
+            let r = crate::engine::chunked::backfill(&mut ctx, &args).await?;
+            // Paused on headroom: "call again later"; otherwise progress (call again until done).
+            let code = if r.paused { crate::error::EXIT_TEMPORARY } else { EXIT_OK };
+            Ok((serde_json::to_value(&r).unwrap_or(Value::Null), code))
         }
         Command::Status => {
             let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;

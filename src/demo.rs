@@ -24,6 +24,9 @@ use crate::workflow::Workflow;
 pub enum DemoScenario {
     /// A full bootstrap under a running writer, then micro-batches, then a check.
     Full,
+    /// A chunked bootstrap: the stream starts at S at once and `backfill`
+    /// reads the table in waves beside it, both under the running writer.
+    Chunked,
 }
 
 /// Arguments of `mssql-cdc demo`.
@@ -126,6 +129,48 @@ impl Harness {
         engine::stream::run(&mut ctx).await
     }
 
+    /// One `backfill` call, as an orchestrator makes it.
+    pub async fn backfill(&self, args: &engine::chunked::BackfillArgs) -> StepResult<engine::chunked::BackfillResult> {
+        let mut ctx = Context::open(self.workflow()?).await?;
+        engine::chunked::backfill(&mut ctx, args).await
+    }
+
+    /// Waits until the simulated capture job has recorded an LSN.
+    pub async fn wait_for_capture(&self) -> StepResult<()> {
+        let wait_start = Instant::now();
+        while self.db.max_lsn().map_err(|e| StepError::Internal(format!("simulator: {e}")))?.is_none() {
+            if wait_start.elapsed() > Duration::from_secs(30) {
+                return Err(StepError::Temporary("the simulated capture job recorded no LSN within 30 s".into()));
+            }
+            let _ = self.db.capture();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Ok(())
+    }
+
+    /// Stops the writer, lets capture harvest its last transactions and streams to its last commit.
+    pub async fn stop_and_catch_up(&mut self) -> StepResult<(sim::WorkloadReport, u32, i64)> {
+        let writer = self.stop_writer()?;
+        self.say("writer stopped; catching up");
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        self.db.capture().map_err(|e| StepError::Internal(format!("capture: {e}")))?;
+        let (mut batches, mut rows) = (0u32, 0i64);
+        for _ in 0..100 {
+            let r = self.stream().await?;
+            batches += r.batches;
+            rows += r.rows;
+            let done = r.caught_up
+                && match (r.position, writer.last_commit_lsn) {
+                    (Some(p), Some(w)) => p >= w,
+                    _ => true,
+                };
+            if done {
+                break;
+            }
+        }
+        Ok((writer, batches, rows))
+    }
+
     /// Rebuilds the latest image per key from bronze and compares it with the table now.
     pub async fn verify(&self) -> StepResult<rebuild::Comparison> {
         let mut ctx = Context::open(self.workflow()?).await?;
@@ -135,9 +180,32 @@ impl Harness {
         rebuild::compare_with_source(ctx.source.as_ref(), &self.table, &ctx.instance.columns, &keys, &image).await
     }
 
+    /// A handle that runs steps against this harness's workflow from another task.
+    pub fn stream_handle(&self) -> StepHandle {
+        StepHandle { workflow_path: self.workflow_path.clone() }
+    }
+
     pub fn say(&self, msg: impl Into<std::borrow::Cow<'static, str>>) {
         self.progress.set_message(msg);
         self.progress.tick();
+    }
+}
+
+/// Runs steps of one workflow file; cheap to clone into tasks.
+#[derive(Debug, Clone)]
+pub struct StepHandle {
+    workflow_path: PathBuf,
+}
+
+impl StepHandle {
+    pub async fn stream(&self) -> StepResult<engine::stream::StreamResult> {
+        let mut ctx = Context::open(Workflow::load(&self.workflow_path)?).await?;
+        engine::stream::run(&mut ctx).await
+    }
+
+    pub async fn backfill(&self, args: &engine::chunked::BackfillArgs) -> StepResult<engine::chunked::BackfillResult> {
+        let mut ctx = Context::open(Workflow::load(&self.workflow_path)?).await?;
+        engine::chunked::backfill(&mut ctx, args).await
     }
 }
 
@@ -165,6 +233,7 @@ fn prepare_dir(dir: &Path) -> StepResult<()> {
 pub async fn run(args: DemoArgs) -> StepResult<(Value, bool)> {
     match args.scenario {
         DemoScenario::Full => full(args).await,
+        DemoScenario::Chunked => chunked(args).await,
     }
 }
 
@@ -243,6 +312,106 @@ async fn full(args: DemoArgs) -> StepResult<(Value, bool)> {
         "writer": writer,
         "seconds": {"create": create_s, "bootstrap": bootstrap_s, "stream": stream_s, "verify": verify_s, "total": t0.elapsed().as_secs_f64()},
         "bootstrap_rows_per_s": if bootstrap_s > 0.0 { boot.rows as f64 / bootstrap_s } else { 0.0 },
+        "dir": dir,
+        "workflow": h.workflow_path,
+    });
+    Ok((out, differences == 0))
+}
+
+/// The chunked scenario: the stream and `backfill` run side by side (two
+/// tasks, as two orchestrator jobs would), each called again and again,
+/// under the writer; then the rebuild is checked against the source.
+async fn chunked(args: DemoArgs) -> StepResult<(Value, bool)> {
+    let t0 = Instant::now();
+    let dir = std::path::absolute(&args.dir).unwrap_or(args.dir.clone());
+    let mut h = Harness::create(&dir, args.rows, args.seed)?;
+    let create_s = t0.elapsed().as_secs_f64();
+    let chunk_rows = (args.rows / 40).clamp(1_000, 1_000_000);
+    h.write_workflow(&format!("bootstrap = true\nmode = \"chunked\"\nparallelism = 4\nchunk_rows = {chunk_rows}\ntarget_wave_seconds = 2"))?;
+    h.progress.enable_steady_tick(Duration::from_millis(200));
+    h.say(format!("created a simulated dbo.orders with {} rows in {create_s:.1}s; writer starting", args.rows));
+    h.start_writer(args.writer_tx_per_s, args.seed);
+    h.wait_for_capture().await?;
+
+    // The stream's first call opens the snapshot at S and starts from there.
+    let first = h.stream().await?;
+    let t_boot = Instant::now();
+    let h = Arc::new(tokio::sync::Mutex::new(h));
+    let backfill_done = Arc::new(AtomicBool::new(false));
+    let stream_task = {
+        let h = h.clone();
+        let backfill_done = backfill_done.clone();
+        let min_seconds = args.stream_seconds;
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let (mut batches, mut rows) = (first.batches, first.rows);
+            loop {
+                let r = { h.lock().await.stream_handle() }.stream().await?;
+                batches += r.batches;
+                rows += r.rows;
+                if backfill_done.load(Ordering::SeqCst) && started.elapsed() >= Duration::from_secs(min_seconds) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            Ok::<_, StepError>((batches, rows))
+        })
+    };
+    let handle = { h.lock().await.stream_handle() };
+    let bf_args = engine::chunked::BackfillArgs { max_seconds: Some(3.0), ..Default::default() };
+    let (mut calls, mut waves, mut backfill_rows, mut chunks_total) = (0u32, 0u32, 0i64, 0usize);
+    let mut fixed: Vec<f64> = Vec::new();
+    let backfill_outcome: StepResult<()> = async {
+        loop {
+            let r = handle.backfill(&bf_args).await?;
+            calls += 1;
+            waves += r.waves;
+            backfill_rows += r.rows;
+            chunks_total = r.chunks_total;
+            fixed.extend(r.wave_fixed_seconds.iter().copied());
+            h.lock().await.say(format!("backfill: {}/{} chunks in {waves} waves ({backfill_rows} rows), stream running", r.chunks_done, r.chunks_total));
+            if r.done {
+                return Ok(());
+            }
+        }
+    }
+    .await;
+    backfill_done.store(true, Ordering::SeqCst);
+    let bootstrap_s = t_boot.elapsed().as_secs_f64();
+    let (mut batches, mut streamed) = stream_task.await.map_err(|e| StepError::Internal(format!("stream task: {e}")))??;
+    backfill_outcome?;
+    let mut h = Arc::try_unwrap(h).map_err(|_| StepError::Internal("the harness is still shared".into()))?.into_inner();
+    let (writer, b, r) = h.stop_and_catch_up().await?;
+    batches += b;
+    streamed += r;
+    h.say("verifying: rebuilding the latest image per key from bronze");
+    let t_verify = Instant::now();
+    let cmp = h.verify().await?;
+    let verify_s = t_verify.elapsed().as_secs_f64();
+    h.progress.finish_and_clear();
+    let differences = cmp.differences();
+    fixed.sort_by(|a, b| a.total_cmp(b));
+    let out = json!({
+        "scenario": "chunked",
+        "rows_source": cmp.rows_source,
+        "rows_target": cmp.rows_target,
+        "differences": differences,
+        "missing_in_target": cmp.missing_in_target,
+        "extra_in_target": cmp.extra_in_target,
+        "different": cmp.different,
+        "samples": cmp.samples,
+        "snapshot_lsn": first.position,
+        "chunk_rows": chunk_rows,
+        "chunks_total": chunks_total,
+        "waves": waves,
+        "backfill_calls": calls,
+        "backfill_rows": backfill_rows,
+        "backfill_rows_per_s": if bootstrap_s > 0.0 { backfill_rows as f64 / bootstrap_s } else { 0.0 },
+        "wave_fixed_seconds_median": fixed.get(fixed.len() / 2),
+        "batches": batches,
+        "change_rows_streamed": streamed,
+        "writer": writer,
+        "seconds": {"create": create_s, "backfill": bootstrap_s, "verify": verify_s, "total": t0.elapsed().as_secs_f64()},
         "dir": dir,
         "workflow": h.workflow_path,
     });

@@ -127,8 +127,18 @@ pub struct SnapshotOptions {
     pub batch_rows: usize,
     /// READ COMMITTED by default; `snapshot` where the database allows it.
     pub isolation: Isolation,
-    /// Columns to cut key ranges on (default: the capture instance's index columns).
+    /// Columns to cut key ranges on (default: the capture instance's index
+    /// columns). A chunked snapshot cuts its chunks on them, unique or not.
     pub keys: Option<Vec<String>>,
+    /// Chunked mode: the most rows a planned chunk holds (fixed by the first
+    /// `backfill` call; later values are ignored with a warning).
+    pub chunk_rows: u64,
+    /// Chunked mode: a wave takes as many rounds of `parallelism` chunks as
+    /// this many seconds hold at the last wave's pace (0: one round a wave).
+    pub target_wave_seconds: f64,
+    /// Chunked mode: `backfill` pauses while the stream's retention headroom
+    /// (its newest batch's distance to CDC cleanup) is below this.
+    pub min_headroom_hours: Option<f64>,
 }
 
 impl Default for SnapshotOptions {
@@ -140,6 +150,9 @@ impl Default for SnapshotOptions {
             batch_rows: 8_192,
             isolation: Isolation::ReadCommitted,
             keys: None,
+            chunk_rows: 1_000_000,
+            target_wave_seconds: 300.0,
+            min_headroom_hours: None,
         }
     }
 }
@@ -236,6 +249,17 @@ impl Workflow {
                 if crate::lsn::Lsn::parse(other).is_err() {
                     return bad(format!("stream.start '{other}' must be earliest, latest or an LSN like 0x0000002a000001f00003"));
                 }
+            }
+        }
+        if self.snapshot.chunk_rows == 0 {
+            return bad("snapshot.chunk_rows must be at least 1".into());
+        }
+        if !(self.snapshot.target_wave_seconds >= 0.0 && self.snapshot.target_wave_seconds.is_finite()) {
+            return bad(format!("snapshot.target_wave_seconds is {}: use 0 or more seconds", self.snapshot.target_wave_seconds));
+        }
+        if let Some(h) = self.snapshot.min_headroom_hours {
+            if !(h >= 0.0 && h.is_finite()) {
+                return bad(format!("snapshot.min_headroom_hours is {h}: use 0 or more hours, or remove it"));
             }
         }
         if let Some(keys) = &self.snapshot.keys {

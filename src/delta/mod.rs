@@ -12,6 +12,7 @@
 pub mod bronze;
 pub mod facts;
 pub mod golden;
+pub mod plans;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -40,6 +41,8 @@ pub const PROP_SCHEMA_VERSION: &str = "mssql_cdc.schemaVersion";
 pub enum TableKind {
     Bronze,
     Facts,
+    /// Key values of chunked snapshots, next to bronze (adr-0028 Amendment 4).
+    Plans,
 }
 
 impl TableKind {
@@ -47,6 +50,7 @@ impl TableKind {
         match self {
             TableKind::Bronze => "bronze",
             TableKind::Facts => "facts",
+            TableKind::Plans => "snapshot_plans",
         }
     }
 
@@ -57,6 +61,7 @@ impl TableKind {
         match self {
             TableKind::Bronze => bronze::MIGRATIONS,
             TableKind::Facts => facts::MIGRATIONS,
+            TableKind::Plans => plans::MIGRATIONS,
         }
     }
 
@@ -215,6 +220,7 @@ pub fn commented_schema(kind: TableKind, schema: &SchemaRef) -> StepResult<Struc
             let comment = match kind {
                 TableKind::Bronze => bronze::column_comment(f.name()),
                 TableKind::Facts => facts::column_comment(f.name()),
+                TableKind::Plans => plans::column_comment(f.name()),
             };
             f.clone().with_metadata([("comment".to_string(), comment)])
         })
@@ -358,6 +364,55 @@ where
         Ok(v) => Ok(Appended::Committed { table_version: v as i64 }),
         Err(e) => {
             // A concurrent writer may have committed the same txn first: then it is applied.
+            table.update_state().await.map_err(StepError::delta(&label))?;
+            if let Some(found) = txn_version(table, &txn.app_id).await? {
+                if found >= txn.version {
+                    return Ok(Appended::AlreadyApplied { found });
+                }
+            }
+            Err(StepError::delta(&label)(e))
+        }
+    }
+}
+
+/// Commits data files already written (by [`RecordBatchWriter`]s whose
+/// `flush` returned these `Add` actions) in one commit with a txn, after the
+/// same "already applied" check as [`append_idempotent`]. A chunked
+/// snapshot's readers write their files while they read, so the wave's commit
+/// is only this log entry: its cost does not grow with the wave's rows.
+/// Files of an attempt that never commits are orphans Delta's VACUUM removes.
+pub async fn commit_adds(table: &mut DeltaTable, adds: Vec<deltalake::kernel::Add>, txn: &Txn, metadata: Value) -> StepResult<Appended> {
+    use deltalake::kernel::transaction::CommitBuilder;
+    use deltalake::protocol::{DeltaOperation, SaveMode};
+    let label = table.table_url().to_string();
+    table.update_state().await.map_err(StepError::delta(&label))?;
+    if let Some(found) = txn_version(table, &txn.app_id).await? {
+        if found >= txn.version {
+            return Ok(Appended::AlreadyApplied { found });
+        }
+    }
+    if adds.is_empty() {
+        return Ok(Appended::Empty);
+    }
+    let props = CommitProperties::default()
+        .with_metadata([
+            ("userMetadata".to_string(), json!(metadata.to_string())),
+            ("mssql_cdc".to_string(), metadata),
+        ])
+        .with_application_transaction(Transaction::new(&txn.app_id, txn.version));
+    let actions: Vec<deltalake::kernel::Action> = adds.into_iter().map(deltalake::kernel::Action::Add).collect();
+    let operation = DeltaOperation::Write { mode: SaveMode::Append, partition_by: None, predicate: None };
+    let result = {
+        let snapshot = table.snapshot().map_err(StepError::delta(&label))?;
+        CommitBuilder::from(props).with_actions(actions).build(Some(snapshot), table.log_store(), operation).await
+    };
+    match result {
+        Ok(done) => {
+            let v = done.version();
+            table.update_state().await.map_err(StepError::delta(&label))?;
+            Ok(Appended::Committed { table_version: v as i64 })
+        }
+        Err(e) => {
             table.update_state().await.map_err(StepError::delta(&label))?;
             if let Some(found) = txn_version(table, &txn.app_id).await? {
                 if found >= txn.version {

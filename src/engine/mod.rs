@@ -8,6 +8,7 @@
 //! point and be called again; the failpoints in [`FAILPOINTS`] sit at every
 //! commit boundary and the crash drill proves it.
 
+pub mod chunked;
 pub mod plan;
 pub mod rebuild;
 pub mod snapshot;
@@ -35,6 +36,14 @@ pub const FAILPOINTS: &[&str] = &[
     "stream.after_start",
     "stream.after_bronze",
     "stream.after_facts",
+    "chunked.after_open_plans",
+    "chunked.after_open",
+    "chunked.after_plan_plans",
+    "chunked.after_plan",
+    "chunked.after_wave_bronze",
+    "chunked.after_wave_plans",
+    "chunked.after_wave_facts",
+    "chunked.after_complete",
 ];
 
 /// A failpoint: in tests and crash drills, fails the step here (`return`) or
@@ -157,6 +166,20 @@ impl Context {
         match &self.workflow.snapshot.keys {
             Some(k) => k.iter().map(|k| self.instance.column(k).map(|c| c.name.clone()).unwrap_or_else(|| k.clone())).collect(),
             None => self.instance.index_columns.clone(),
+        }
+    }
+
+    /// A facts row of this stream with its header filled (app id, table,
+    /// target, generation, capture instance, recorded now) and nothing else.
+    pub fn fact_row(&self, generation: i32) -> crate::delta::facts::FactRow {
+        crate::delta::facts::FactRow {
+            app_id: self.workflow.app_id.clone(),
+            table: self.workflow.table_name().to_string(),
+            target: self.workflow.target.bronze.clone(),
+            generation,
+            capture_instance: Some(self.instance.name.clone()),
+            recorded_at: Some(chrono::Utc::now()),
+            ..Default::default()
         }
     }
 

@@ -7,11 +7,28 @@
 //! key's spread: a dense cluster is split, a sparse region or a far sentinel
 //! joins its neighbours, and no chunk starts on an empty slice.
 //!
-//! This module holds the packing and the refinement rule; the step that
-//! reads the counts from the source (and the keyset plans of other keys)
-//! builds on it.
+//! Any other key (composite, string, date and time, uniqueidentifier, or a
+//! column that is not unique) gets keyset bounds: the key `chunk_rows` rows
+//! after the previous bound, sought up front below the MAX recorded at the
+//! open. A bound that would repeat its lower bound (a value held by more rows
+//! than a chunk, or equal only under the collation) is sought again twice as
+//! far, so a value is never split and the walk always moves.
+//!
+//! Both planners talk to the source through the small [`KeyCounter`] and
+//! [`KeySeeker`] traits, so the tests here run them against in-memory tables.
 
+use std::cmp::Ordering;
+
+use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
+
+use crate::source::{KeyRange, SourceError};
+use crate::types::{key_cmp, truncate_to_micros, Key, SqlType, SqlValue};
+
+/// Most slices one counting query groups by.
+pub const MAX_SLICES_PER_QUERY: u64 = 100_000;
+/// Slices per chunk on the first grid (a slice is about 1/16 of a chunk on an even key).
+pub const SLICES_PER_CHUNK: u64 = 16;
 
 /// A counted slice of an integer key: the values `[start, start + width)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,11 +104,209 @@ pub fn chunk_of(chunks: &[IntChunk], value: Option<i64>) -> Vec<usize> {
         .collect()
 }
 
+/// Counts rows per slice of a grid (the source's `slice_counts`).
+#[async_trait]
+pub trait KeyCounter: Send + Sync {
+    /// (slice start, rows) of the non-empty slices of width `width` from `lo`, for values in `[lo, hi]`.
+    async fn count(&self, lo: i64, hi: i64, width: i64) -> Result<Vec<(i64, u64)>, SourceError>;
+}
+
+/// Seeks keys (the source's `key_seek`).
+#[async_trait]
+pub trait KeySeeker: Send + Sync {
+    /// The key of the `(n + 1)`-th row of `range` in key order, or None.
+    async fn seek(&self, range: &KeyRange, n: u64) -> Result<Option<Key>, SourceError>;
+}
+
+fn ceil_div(a: u128, b: u128) -> u128 {
+    a.div_ceil(b.max(1))
+}
+
+/// Plans one integer key over `[min, max]` from per-slice counts: a first grid
+/// of about 16 slices per chunk (sized from `row_estimate`), every slice
+/// holding more than `chunk_rows` counted again on a finer grid over its own
+/// values, down to one value, then packed.
+pub async fn plan_integer(counter: &dyn KeyCounter, min: i64, max: i64, chunk_rows: u64, row_estimate: u64) -> Result<Vec<IntChunk>, SourceError> {
+    let chunk_rows = chunk_rows.max(1);
+    let span = (max as i128 - min as i128 + 1) as u128;
+    let wanted = (SLICES_PER_CHUNK as u128 * ceil_div(row_estimate.max(1) as u128, chunk_rows as u128)).clamp(SLICES_PER_CHUNK as u128, MAX_SLICES_PER_QUERY as u128);
+    let width = ceil_div(span, wanted).max(1);
+    let mut done: Vec<Slice> = Vec::new();
+    // (lo, hi, width) grids still to count.
+    let mut todo: Vec<(i64, i64, u128)> = vec![(min, max, width)];
+    while let Some((lo, hi, width)) = todo.pop() {
+        let w = i64::try_from(width).unwrap_or(i64::MAX);
+        for (start, rows) in counter.count(lo, hi, w).await? {
+            let slice = Slice { start, width: width as i128, rows };
+            if rows > chunk_rows && width > 1 {
+                let end = (start as i128 + width as i128 - 1).min(hi as i128) as i64;
+                let sub_span = (end as i128 - start as i128 + 1) as u128;
+                let sub_slices = (SLICES_PER_CHUNK as u128 * ceil_div(rows as u128, chunk_rows as u128)).clamp(2, MAX_SLICES_PER_QUERY as u128);
+                todo.push((start, end, ceil_div(sub_span, sub_slices).max(1)));
+            } else if rows > 0 {
+                done.push(slice);
+            }
+        }
+    }
+    done.sort_by_key(|s| s.start);
+    Ok(pack_slices(&done, chunk_rows, max))
+}
+
+/// What a keyset plan's key columns are, for the rules that depend on type.
+#[derive(Debug, Clone)]
+pub struct KeysetShape {
+    pub types: Vec<SqlType>,
+    /// The columns are the capture instance's unique index: no value repeats,
+    /// so a bound needs no check that its chunk is non-empty.
+    pub unique: bool,
+}
+
+/// A bound as the drivers return it: a datetime2/datetimeoffset key column
+/// with 100 ns digits truncated to the microsecond (adr-0028's Amendment), so
+/// bounds sit where a microsecond engine puts them too.
+pub fn truncate_bound(key: Key, shape: &KeysetShape) -> Key {
+    key.into_iter()
+        .zip(shape.types.iter())
+        .map(|(v, t)| match (v, t) {
+            (SqlValue::DateTime(d), SqlType::DateTime2 { .. }) => SqlValue::DateTime(truncate_to_micros(d)),
+            (SqlValue::DateTimeOffset(d), SqlType::DateTimeOffset { .. }) => {
+                let nanos = d.timestamp_subsec_nanos();
+                SqlValue::DateTimeOffset(d - chrono::Duration::nanoseconds((nanos % 1000) as i64))
+            }
+            (v, _) => v,
+        })
+        .collect()
+}
+
+/// Seeks the next bound after `lo`: the key `chunk_rows` rows on, doubled
+/// while it would not move past `lo` (a NULL key, a value equal to `lo` under
+/// the collation, or, when the columns are not unique, a range `[lo, bound)`
+/// the server finds empty). None when fewer rows remain.
+pub async fn next_bound(seeker: &dyn KeySeeker, lo: Option<&Key>, chunk_rows: u64, shape: &KeysetShape) -> Result<Option<Key>, SourceError> {
+    let mut n = chunk_rows.max(1);
+    loop {
+        let range = KeyRange { lo: lo.cloned(), hi: None };
+        let Some(b) = seeker.seek(&range, n).await? else { return Ok(None) };
+        let b = truncate_bound(b, shape);
+        let repeats = b.iter().any(SqlValue::is_null) || lo.is_some_and(|lo| key_cmp(&b, lo) != Ordering::Greater);
+        let empty = !repeats && !shape.unique && {
+            let below = KeyRange { lo: lo.cloned(), hi: Some(b.clone()) };
+            seeker.seek(&below, 0).await?.is_none()
+        };
+        if !repeats && !empty {
+            return Ok(Some(b));
+        }
+        n = n.saturating_mul(2);
+    }
+}
+
+/// The first key after `max` (past MAX's own copies), or None when there is
+/// none or it reads back at or below MAX: then the last chunk stays open.
+pub async fn last_bound(seeker: &dyn KeySeeker, max: &Key, shape: &KeysetShape) -> Result<Option<Key>, SourceError> {
+    let mut n = 1u64;
+    loop {
+        let range = KeyRange { lo: Some(max.clone()), hi: None };
+        let Some(b) = seeker.seek(&range, n).await? else { return Ok(None) };
+        let b = truncate_bound(b, shape);
+        if key_cmp(&b, max) == Ordering::Greater && !b.iter().any(SqlValue::is_null) {
+            return Ok(Some(b));
+        }
+        if shape.unique {
+            // Truncated to MAX's microsecond: adr-0028 leaves the last chunk open.
+            return Ok(None);
+        }
+        n = n.saturating_mul(2);
+    }
+}
+
+/// Walks keyset bounds from the start of the key up to `max`: the bounds
+/// between chunks, in order (the chunks are `(-inf, b1), [b1, b2), ...,
+/// [bk, end)`, the end sought by [`last_bound`]).
+pub async fn plan_keyset(seeker: &dyn KeySeeker, max: &Key, chunk_rows: u64, shape: &KeysetShape) -> Result<Vec<Key>, SourceError> {
+    let mut bounds: Vec<Key> = Vec::new();
+    loop {
+        let Some(b) = next_bound(seeker, bounds.last(), chunk_rows, shape).await? else { break };
+        if key_cmp(&b, max) == Ordering::Greater {
+            break;
+        }
+        bounds.push(b);
+    }
+    Ok(bounds)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::BTreeMap;
+
+    /// An in-memory integer column: value -> rows.
+    struct Counts(BTreeMap<i64, u64>);
+
+    #[async_trait]
+    impl KeyCounter for Counts {
+        async fn count(&self, lo: i64, hi: i64, width: i64) -> Result<Vec<(i64, u64)>, SourceError> {
+            let mut out: BTreeMap<i64, u64> = BTreeMap::new();
+            for (v, n) in self.0.range(lo..=hi) {
+                let start = (lo as i128 + (*v as i128 - lo as i128) / width as i128 * width as i128) as i64;
+                *out.entry(start).or_default() += n;
+            }
+            Ok(out.into_iter().collect())
+        }
+    }
+
+    /// An in-memory table's key column(s), sorted as SQL Server sorts them.
+    struct Keys(Vec<Key>);
+
+    impl Keys {
+        fn new(mut keys: Vec<Key>) -> Keys {
+            keys.sort_by(|a, b| key_cmp(a, b));
+            Keys(keys)
+        }
+    }
+
+    #[async_trait]
+    impl KeySeeker for Keys {
+        async fn seek(&self, range: &KeyRange, n: u64) -> Result<Option<Key>, SourceError> {
+            Ok(self.0.iter().filter(|k| range.contains(k)).nth(n as usize).cloned())
+        }
+    }
+
+    fn block<F: std::future::Future>(f: F) -> F::Output {
+        futures::executor::block_on(f)
+    }
+
+    /// The chunks of a keyset plan, as key ranges.
+    fn keyset_ranges(bounds: &[Key], end: Option<Key>) -> Vec<KeyRange> {
+        let mut out = Vec::new();
+        let mut lo = None;
+        for b in bounds {
+            out.push(KeyRange { lo: lo.clone(), hi: Some(b.clone()) });
+            lo = Some(b.clone());
+        }
+        out.push(KeyRange { lo, hi: end });
+        out
+    }
+
+    #[test]
+    fn integer_plan_counts_a_skewed_key_with_a_sentinel_at_bigint_max() {
+        let mut v = BTreeMap::new();
+        for k in 1..=2000 {
+            v.insert(k, 1);
+        }
+        for k in 1_000_000..1_000_050 {
+            v.insert(k, 40); // a dense cluster
+        }
+        v.insert(i64::MAX, 1);
+        let total: u64 = v.values().sum();
+        let chunks = block(plan_integer(&Counts(v.clone()), 1, i64::MAX, 100, total)).unwrap();
+        assert_eq!(chunks.iter().map(|c| c.rows).sum::<u64>(), total);
+        assert!(chunks.iter().all(|c| c.rows <= 100 && c.rows > 0), "{chunks:?}");
+        assert_eq!(chunks.last().unwrap().hi, None);
+        for k in v.keys() {
+            assert_eq!(chunk_of(&chunks, Some(*k)).len(), 1);
+        }
+    }
 
     /// Counts values on a grid of `width` from `min`, refining dense slices
     /// down to single values, as the planning step will with the source.
@@ -166,4 +381,115 @@ mod tests {
             prop_assert_eq!(chunks.iter().map(|c| c.rows).sum::<u64>(), values.values().sum::<u64>());
         }
     }
+    fn string_shape(unique: bool) -> KeysetShape {
+        KeysetShape { types: vec![SqlType::VarChar { len: Some(20) }], unique }
+    }
+
+    #[test]
+    fn keyset_plan_on_a_repeated_case_mixed_column_never_splits_a_value() {
+        // 'n' and 'N' are one value under the case-insensitive collation; NULLs sort first.
+        let mut keys: Vec<Key> = Vec::new();
+        for _ in 0..7 {
+            keys.push(vec![SqlValue::Null]);
+        }
+        for (v, n) in [("a", 3), ("n", 9), ("N", 9), ("n ", 2), ("q", 1), ("z", 5)] {
+            for _ in 0..n {
+                keys.push(vec![SqlValue::Str(v.into())]);
+            }
+        }
+        let table = Keys::new(keys);
+        let max = vec![SqlValue::Str("z".into())];
+        let shape = string_shape(false);
+        let bounds = block(plan_keyset(&table, &max, 4, &shape)).unwrap();
+        let end = block(last_bound(&table, &max, &shape)).unwrap();
+        assert_eq!(end, None, "nothing after MAX: the last chunk is open");
+        let ranges = keyset_ranges(&bounds, end);
+        for k in &table.0 {
+            assert_eq!(ranges.iter().filter(|r| r.contains(k)).count(), 1, "{k:?}");
+        }
+        // Every 'n' (any case, trailing space) in one chunk, and no chunk empty.
+        let n_chunks: std::collections::BTreeSet<usize> =
+            table.0.iter().filter(|k| matches!(&k[0], SqlValue::Str(s) if s.trim().eq_ignore_ascii_case("n"))).map(|k| ranges.iter().position(|r| r.contains(k)).unwrap()).collect();
+        assert_eq!(n_chunks.len(), 1);
+        for r in &ranges {
+            assert!(table.0.iter().any(|k| r.contains(k)), "empty chunk {r:?}");
+        }
+        assert!(ranges[0].contains(&[SqlValue::Null]));
+    }
+
+    proptest! {
+        #[test]
+        fn keyset_plans_tile_repeated_and_null_values(
+            values in proptest::collection::vec(proptest::option::of(0u8..12), 1..120),
+            upper in proptest::collection::vec(any::<bool>(), 120),
+            chunk_rows in 1u64..10,
+            extra_after_max in 0usize..4,
+        ) {
+            let word = |v: u8, up: bool| { let s = format!("k{v:02}"); if up { s.to_uppercase() } else { s } };
+            let mut keys: Vec<Key> = values.iter().zip(upper.iter()).map(|(v, up)| vec![v.map(|v| SqlValue::Str(word(v, *up))).unwrap_or(SqlValue::Null)]).collect();
+            let table0 = Keys::new(keys.clone());
+            let Some(max) = table0.0.iter().rev().find(|k| !k[0].is_null()).cloned() else { return Ok(()) };
+            // Rows inserted above MAX after the open: the last bound stops before them.
+            for i in 0..extra_after_max {
+                keys.push(vec![SqlValue::Str(format!("z{i}"))]);
+            }
+            let table = Keys::new(keys);
+            let shape = string_shape(false);
+            let bounds = block(plan_keyset(&table, &max, chunk_rows, &shape)).unwrap();
+            let end = block(last_bound(&table, &max, &shape)).unwrap();
+            prop_assert_eq!(end.is_some(), extra_after_max > 0);
+            let ranges = keyset_ranges(&bounds, end);
+            for k in &table0.0 {
+                prop_assert_eq!(ranges.iter().filter(|r| r.contains(k)).count(), 1);
+            }
+            for r in &ranges {
+                prop_assert!(table0.0.iter().any(|k| r.contains(k)), "empty chunk {:?}", r);
+            }
+            // A value is in one chunk only, so each chunk but one starting on a
+            // value held by more than chunk_rows rows holds at most chunk_rows
+            // rows plus the rows of its last value's repeats.
+            for w in bounds.windows(2) {
+                prop_assert_eq!(key_cmp(&w[0], &w[1]), Ordering::Less);
+            }
+        }
+
+        #[test]
+        fn keyset_plans_on_a_unique_composite_key(n in 1usize..200, chunk_rows in 1u64..30) {
+            let keys: Vec<Key> = (0..n).map(|i| vec![SqlValue::Str(if i % 2 == 0 { "A".into() } else { "b".into() }), SqlValue::Int(i as i64)]).collect();
+            let table = Keys::new(keys);
+            let shape = KeysetShape { types: vec![SqlType::VarChar { len: Some(5) }, SqlType::Int], unique: true };
+            let max = table.0.last().unwrap().clone();
+            let bounds = block(plan_keyset(&table, &max, chunk_rows, &shape)).unwrap();
+            let ranges = keyset_ranges(&bounds, None);
+            for r in &ranges {
+                let rows = table.0.iter().filter(|k| r.contains(k)).count();
+                prop_assert!(rows > 0 && rows as u64 <= chunk_rows + 1 && (rows as u64 <= chunk_rows || r.hi.is_none()), "{:?} holds {}", r, rows);
+            }
+            for k in &table.0 {
+                prop_assert_eq!(ranges.iter().filter(|r| r.contains(k)).count(), 1);
+            }
+        }
+    }
+
+    #[test]
+    fn datetime2_bounds_sit_on_a_microsecond_and_the_last_chunk_stays_open_in_max_microsecond() {
+        let base = chrono::NaiveDate::from_ymd_opt(2026, 3, 1).unwrap().and_hms_opt(0, 0, 0).unwrap();
+        let t = |ns: i64| vec![SqlValue::DateTime(base + chrono::Duration::nanoseconds(ns))];
+        // 100 ns apart: ten keys share each microsecond.
+        let table = Keys::new((0..40).map(|i| t(i * 100)).collect());
+        let shape = KeysetShape { types: vec![SqlType::DateTime2 { scale: 7 }], unique: true };
+        let max = t(3500); // the open saw keys up to 3.5 us; 3.6-3.9 us were inserted after
+        let bounds = block(plan_keyset(&table, &max, 5, &shape)).unwrap();
+        for b in &bounds {
+            let SqlValue::DateTime(d) = &b[0] else { panic!() };
+            assert_eq!(d.and_utc().timestamp_subsec_nanos() % 1000, 0, "{d}");
+        }
+        // The keys after MAX share its microsecond: the bound reads back as MAX's, so the end is open.
+        assert_eq!(block(last_bound(&table, &max, &shape)).unwrap(), None);
+        let ranges = keyset_ranges(&bounds, None);
+        for k in table.0.iter().filter(|k| key_cmp(k, &max) != Ordering::Greater) {
+            assert_eq!(ranges.iter().filter(|r| r.contains(k)).count(), 1, "{k:?}");
+        }
+    }
 }
+

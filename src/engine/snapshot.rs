@@ -134,6 +134,12 @@ pub async fn ensure_bootstrap(ctx: &mut Context) -> StepResult<SnapshotResult> {
         write_completion(ctx, generation, s, rows, Some(version), None).await?;
         return Ok(SnapshotResult { step: "snapshot", snapshot_lsn: s, rows, already_done: true, ranges: 0, duration_ms: 0 });
     }
+    // One snapshot mode per run: a chunked snapshot still being backfilled
+    // must finish first (adr-0028's Amendment).
+    let rows = super::state::facts_rows(&ctx.facts, &app).await?;
+    if let Some(c) = super::chunked::open_chunked(&rows) {
+        return Err(super::chunked::mode_conflict(&c, super::chunked::Mode::Full));
+    }
     let s = ctx.source.max_lsn().await?.ok_or_else(|| {
         StepError::Temporary("the capture job has not recorded any LSN yet (max LSN is NULL): call again once it has run".into())
     })?;
@@ -154,6 +160,12 @@ pub async fn ensure_bootstrap(ctx: &mut Context) -> StepResult<SnapshotResult> {
     };
     super::stream::append_facts_untracked(ctx, vec![open]).await?;
     failpoint!("snapshot.after_open");
+    // A chunked open committed between our check and our open takes the
+    // generation: stop rather than put two snapshots in it.
+    let rows = super::state::facts_rows(&ctx.facts, &app).await?;
+    if let Some(c) = super::chunked::open_chunked(&rows).filter(|c| c.generation == generation) {
+        return Err(super::chunked::mode_conflict(&c, super::chunked::Mode::Full));
+    }
 
     let keys = ctx.snapshot_keys();
     let ranges = plan_ranges(ctx, &keys).await?;

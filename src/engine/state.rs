@@ -27,6 +27,9 @@ pub struct StreamState {
     pub generation_app_id: String,
     /// The completed snapshot the generation started from (bootstrap or resnapshot), if any.
     pub snapshot: Option<Lsn>,
+    /// The S of the generation's chunked snapshot: the stream starts there
+    /// at the open, while `backfill` reads the table beside it.
+    pub chunked_start: Option<Lsn>,
     /// The recorded start of a stream without a snapshot.
     pub stream_start: Option<Lsn>,
     /// The newest batch with a facts row in this generation.
@@ -49,6 +52,13 @@ impl StreamState {
             .filter(in_gen)
             .filter(|r| matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT)))
             .filter_map(|r| r.max_lsn)
+            .max();
+        let chunked_start = rows
+            .iter()
+            .filter(in_gen)
+            .filter(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_OPEN))
+            .filter(|r| r.detail.as_ref().and_then(|d| d.get("mode")).and_then(serde_json::Value::as_str) == Some("chunked"))
+            .filter_map(|r| r.min_lsn)
             .max();
         let stream_start = rows.iter().filter(in_gen).filter(|r| r.event.as_deref() == Some(EVENT_STREAM_START)).filter_map(|r| r.max_lsn).max();
         let last_batch = rows
@@ -74,6 +84,7 @@ impl StreamState {
             generation,
             generation_app_id: super::generation_app_id(app_id, generation),
             snapshot,
+            chunked_start,
             stream_start,
             last_batch,
             bronze_batch,
@@ -83,7 +94,7 @@ impl StreamState {
 
     /// The last position the stream processed, if it has one yet.
     pub fn position(&self) -> Option<Lsn> {
-        self.last_batch.as_ref().and_then(|b| b.max_lsn).or(self.snapshot).or(self.stream_start)
+        self.last_batch.as_ref().and_then(|b| b.max_lsn).or(self.snapshot).or(self.chunked_start).or(self.stream_start)
     }
 
     /// The batch id bronze holds but the facts do not (a crash between the two commits).
@@ -179,6 +190,20 @@ mod tests {
         let s = StreamState::derive("a", &[event(0, EVENT_SNAPSHOT_OPEN, 10)], None);
         assert_eq!(s.open_snapshots, vec![lsn(10)]);
         assert_eq!(s.position(), None);
+    }
+
+    #[test]
+    fn a_chunked_open_starts_the_stream_at_s_before_any_row_is_read() {
+        let mut open = event(0, EVENT_SNAPSHOT_OPEN, 10);
+        open.detail = Some(serde_json::json!({"mode": "chunked", "kind": "bootstrap"}));
+        let s = StreamState::derive("a", &[open.clone()], None);
+        assert_eq!(s.position(), Some(lsn(10)));
+        // A full open does not: its rows are not read yet and the stream waits for its completion.
+        let mut full = open.clone();
+        full.detail = Some(serde_json::json!({"mode": "full", "kind": "bootstrap"}));
+        assert_eq!(StreamState::derive("a", &[full], None).position(), None);
+        let s = StreamState::derive("a", &[open, batch(0, 0, 20)], Some(0));
+        assert_eq!(s.position(), Some(lsn(20)));
     }
 
     #[test]

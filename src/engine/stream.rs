@@ -81,9 +81,11 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
                 bootstrap = Some(serde_json::to_value(&r).unwrap_or(Value::Null));
             }
             SnapshotMode::Chunked => {
-                return Err(StepError::Config(
-                    "snapshot.mode = \"chunked\" is not available in this release: use mode = \"full\"".into(),
-                ))
+                // Opens the chunked snapshot at S and starts the stream there;
+                // `backfill` reads the table beside the stream.
+                if let Some(r) = super::chunked::ensure_bootstrap_open(ctx).await? {
+                    bootstrap = Some(serde_json::to_value(&r).unwrap_or(Value::Null));
+                }
             }
         }
     }

@@ -1,0 +1,1283 @@
+//! Chunked snapshots read next to the running stream (adr-0028).
+//!
+//! A table too large to read within the CDC retention is not read before the
+//! stream starts. The open records S (max LSN) and the key's extent and starts
+//! the stream generation at S at once, reading nothing; the stream then keeps
+//! every change after S in bronze without a gap. The `backfill` step, called
+//! again until done, reads the table in chunks beside it. Each chunk only
+//! needs a stamp L >= S read before its SELECT: the rebuild rule (latest row
+//! per key over the snapshot's rows and the changes after S) makes a chunk
+//! row that is newer than its stamp harmless, because the change that made it
+//! newer is in bronze too and ranks at or above it.
+//!
+//! Effects, each a commit with its own txn, each followed by a failpoint:
+//!
+//! | effect                         | table  | txn app id                 | version    |
+//! |--------------------------------|--------|----------------------------|------------|
+//! | open: key extent               | plans  | `<app>#snapopen.<S>`       | 0          |
+//! | open: `snapshot_open` row      | facts  | `<app>#snapshots`          | generation |
+//! | plan: every chunk's bounds     | plans  | `<app>#snapplan.<S>`       | 0          |
+//! | plan: `snapshot_plan` row      | facts  | `<app>#snapplan.<S>`       | 0          |
+//! | wave w: the chunks' rows       | bronze | `<app>#snap.<S>`           | w          |
+//! | wave w: chunk bounds and stamps| plans  | `<app>#snapchunks.<S>`     | w          |
+//! | wave w: `snapshot_chunk` rows  | facts  | `<app>#snapchunks.<S>`     | w          |
+//! | completion: `bootstrap` row    | facts  | `<app>#events`             | generation |
+//!
+//! Architecture invariant: key values never reach the facts table; they are
+//! in the plans table (next to bronze, under bronze's access) and in bronze's
+//! commit metadata. Every plans row is written before its facts row, and
+//! readers read the facts first, so a facts row always finds its payload.
+//!
+//! Architecture invariant: the plan is made once (the first `backfill` call)
+//! and never changes while the snapshot is open: a rerun, a later call with
+//! other options, reconcile and silver all read the same chunks back.
+//!
+//! Waves read ahead: once a wave is read (its rows already written to data
+//! files by the readers, so no rows wait in memory), its commits run in a
+//! task of their own while the next wave is stamped and read. The next
+//! wave's commits start only after the previous ones finished, so bronze
+//! takes waves in order and at most the last committed wave can lack its
+//! facts rows after a crash, which the next call rebuilds first.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use deltalake::writer::{DeltaWriter, RecordBatchWriter};
+use deltalake::DeltaTable;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::sync::Mutex;
+
+use super::state::{self, generation_of};
+use super::Context;
+use crate::delta::bronze::{self, SnapshotStamp};
+use crate::delta::facts::{self, FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT, EVENT_SNAPSHOT_OPEN};
+use crate::delta::plans::{self, PlanRow};
+use crate::delta::{self, sql_str, Appended, TableKind, Txn};
+use crate::engine::plan::{self as planner, KeyCounter, KeySeeker, KeysetShape};
+use crate::error::{StepError, StepResult};
+use crate::failpoint;
+use crate::lsn::Lsn;
+use crate::source::{Isolation, KeyRange, SharedSource, SnapshotRead, SourceError, TableName};
+use crate::types::{Key, SqlType, SqlValue};
+
+pub const EVENT_SNAPSHOT_PLAN: &str = "snapshot_plan";
+pub const EVENT_SNAPSHOT_CHUNK: &str = "snapshot_chunk";
+
+/// Data files are closed at this size, so a reader holds at most one file's
+/// encoded rows in memory whatever the chunk's size.
+const TARGET_FILE_BYTES: u64 = 64 * 1024 * 1024;
+
+/// The snapshot modes of `snapshot_open` rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Full,
+    Chunked,
+}
+
+/// An opened snapshot, as its facts row says (no key values).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Opened {
+    pub s: Lsn,
+    pub generation: i32,
+    pub mode: Mode,
+    /// `bootstrap` or `resnapshot`: the completion row it ends with.
+    pub kind: String,
+}
+
+fn opened_of(r: &FactRow) -> Option<Opened> {
+    if r.event.as_deref() != Some(EVENT_SNAPSHOT_OPEN) {
+        return None;
+    }
+    let d = r.detail.as_ref()?;
+    let mode = match d.get("mode").and_then(Value::as_str) {
+        Some("chunked") => Mode::Chunked,
+        _ => Mode::Full,
+    };
+    let kind = d.get("kind").and_then(Value::as_str).unwrap_or(EVENT_BOOTSTRAP).to_string();
+    Some(Opened { s: r.min_lsn?, generation: r.generation, mode, kind })
+}
+
+/// True when a `bootstrap` or `resnapshot` row (any generation) has max_lsn at or after `s`.
+pub fn is_completed(rows: &[FactRow], s: Lsn) -> bool {
+    rows.iter()
+        .filter(|r| matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT)))
+        .filter_map(|r| r.max_lsn)
+        .any(|m| m >= s)
+}
+
+/// The chunked snapshot `backfill` works on: the newest chunked open of the
+/// current generation without a completion. Opens of older generations were
+/// abandoned by the loss that started a newer one.
+pub fn open_chunked(rows: &[FactRow]) -> Option<Opened> {
+    let generation = generation_of(rows);
+    rows.iter()
+        .filter_map(opened_of)
+        .filter(|o| o.mode == Mode::Chunked && o.generation == generation && !is_completed(rows, o.s))
+        .max_by_key(|o| o.s)
+}
+
+/// The chunked open of the current generation, completed or not.
+pub fn chunked_of_generation(rows: &[FactRow]) -> Option<Opened> {
+    let generation = generation_of(rows);
+    rows.iter().filter_map(opened_of).filter(|o| o.mode == Mode::Chunked && o.generation == generation).max_by_key(|o| o.s)
+}
+
+/// A full snapshot that still holds the snapshot mode (adr-0028's
+/// Amendment): opened, not completed, in the current generation, without a
+/// chunked open beside it, and not yet passed by CDC cleanup (`min_lsn` of
+/// the capture instance): once cleanup passes its S it can never complete,
+/// and nobody can tell a dead run from a slow one before that.
+pub fn full_holding_mode(rows: &[FactRow], min_lsn: Option<Lsn>) -> Option<Opened> {
+    let generation = generation_of(rows);
+    let chunked_here = rows.iter().filter_map(opened_of).any(|o| o.mode == Mode::Chunked && o.generation == generation);
+    if chunked_here {
+        return None;
+    }
+    rows.iter()
+        .filter_map(opened_of)
+        .filter(|o| o.mode == Mode::Full && o.generation == generation && !is_completed(rows, o.s))
+        .filter(|o| !min_lsn.is_some_and(|m| o.s.increment() < m))
+        .max_by_key(|o| o.s)
+}
+
+/// The error for a step that finds the other mode's snapshot open.
+pub fn mode_conflict(open: &Opened, wanted: Mode) -> StepError {
+    let how = match open.mode {
+        Mode::Chunked => "call `mssql-cdc --workflow FILE backfill` until it reports done: true",
+        Mode::Full => "rerun it with snapshot.mode = \"full\" (`mssql-cdc --workflow FILE snapshot`, which reads the table again), \
+                       or wait until CDC cleanup passes its LSN",
+    };
+    StepError::Config(format!(
+        "a {} snapshot opened at {} (generation {}) is still open, and one run takes its snapshots in one mode: \
+         this {} step cannot start beside it. To finish it, {how}; then change snapshot.mode",
+        if open.mode == Mode::Full { "full" } else { "chunked" },
+        open.s,
+        open.generation,
+        if wanted == Mode::Full { "full snapshot" } else { "chunked snapshot" },
+    ))
+}
+
+/// The payload of a chunked open's plans row: the columns the chunks are cut
+/// on and their extent at S.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpenPayload {
+    pub keys: Vec<String>,
+    pub min: Option<Key>,
+    pub max: Option<Key>,
+    pub kind: String,
+    pub generation: i32,
+}
+
+/// One planned chunk: `[lo, hi)`, `lo = None` open below (and NULL keys), `hi = None` open above.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlannedChunk {
+    pub chunk: i64,
+    pub lo: Option<Key>,
+    pub hi: Option<Key>,
+    /// Rows counted when planned (integer plans only).
+    pub rows: Option<u64>,
+}
+
+/// The payload of the plan's plans row.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanPayload {
+    /// `integer` (packed from per-slice counts) or `keyset`.
+    pub kind: String,
+    pub keys: Vec<String>,
+    pub chunk_rows: u64,
+    pub chunk_count: usize,
+    pub chunks: Vec<PlannedChunk>,
+    /// A keyset plan found no key after MAX when planned: the last chunk's end
+    /// is sought again before the wave that reads it.
+    pub open_end: bool,
+    pub isolation: Isolation,
+}
+
+/// The payload of a chunk's plans row (the bounds as read) and, minus the
+/// bounds, of its facts row.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChunkPayload {
+    pub chunk: i64,
+    pub wave: i64,
+    pub lo: Option<Key>,
+    pub hi: Option<Key>,
+    pub last: bool,
+    pub rows: i64,
+    /// L: max LSN read before the wave's reads.
+    pub stamp: Lsn,
+    /// Max LSN read after them.
+    pub max_lsn: Lsn,
+    pub read_ms: Option<i64>,
+    /// Rounds of `parallelism` chunks in the wave (its pace is read_ms / rounds).
+    pub rounds: u32,
+    pub bronze_version: Option<i64>,
+}
+
+fn chunk_key(s: Lsn) -> String {
+    s.to_hex()
+}
+
+fn txn_open_plans(app: &str, s: Lsn) -> Txn {
+    Txn::new(format!("{app}#snapopen.{}", chunk_key(s)), 0)
+}
+fn txn_open_facts(app: &str, generation: i32) -> Txn {
+    Txn::new(format!("{app}#snapshots"), generation as i64)
+}
+fn txn_plan(app: &str, s: Lsn) -> Txn {
+    Txn::new(format!("{app}#snapplan.{}", chunk_key(s)), 0)
+}
+fn txn_wave_bronze(app: &str, s: Lsn, wave: i64) -> Txn {
+    Txn::new(format!("{app}#snap.{}", chunk_key(s)), wave)
+}
+fn txn_wave_rows(app: &str, s: Lsn, wave: i64) -> Txn {
+    Txn::new(format!("{app}#snapchunks.{}", chunk_key(s)), wave)
+}
+fn txn_completion(app: &str, generation: i32) -> Txn {
+    Txn::new(format!("{app}#events"), generation as i64)
+}
+
+/// Chunk progress of snapshot `s` from its `snapshot_chunk` facts rows.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Progress {
+    /// chunk -> rows, of every chunk a facts row records.
+    pub done: BTreeMap<i64, i64>,
+    pub last_wave: Option<i64>,
+    /// The pace of the newest wave: its read time per round, in seconds.
+    pub pace_round_seconds: Option<f64>,
+    pub waves: BTreeSet<i64>,
+}
+
+/// Derives the progress (pure).
+pub fn progress(rows: &[FactRow], s: Lsn) -> Progress {
+    let mut p = Progress::default();
+    let hex = s.to_hex();
+    let mut newest: Option<(i64, f64)> = None;
+    for r in rows.iter().filter(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_CHUNK)) {
+        let Some(d) = &r.detail else { continue };
+        if d.get("snapshot").and_then(Value::as_str) != Some(hex.as_str()) {
+            continue;
+        }
+        let (Some(chunk), Some(wave)) = (d.get("chunk").and_then(Value::as_i64), d.get("wave").and_then(Value::as_i64)) else { continue };
+        p.done.insert(chunk, r.rows.unwrap_or(0));
+        p.waves.insert(wave);
+        p.last_wave = p.last_wave.max(Some(wave));
+        if let (Some(ms), Some(rounds)) = (r.duration_ms, d.get("rounds").and_then(Value::as_u64)) {
+            if newest.is_none_or(|(w, _)| wave > w) {
+                newest = Some((wave, ms as f64 / 1000.0 / rounds.max(1) as f64));
+            }
+        }
+    }
+    p.pace_round_seconds = newest.map(|(_, s)| s);
+    p
+}
+
+/// How many rounds of `parallelism` chunks the next wave takes: as many as
+/// `target_seconds` holds at the last pace, no more than what is left of
+/// `remaining_seconds`, at least one, at most `rounds_left` (pure).
+pub fn rounds_for_wave(target_seconds: f64, pace_round_seconds: Option<f64>, remaining_seconds: Option<f64>, rounds_left: usize) -> usize {
+    let rounds_left = rounds_left.max(1);
+    if target_seconds <= 0.0 {
+        return 1;
+    }
+    let Some(pace) = pace_round_seconds.filter(|p| *p > 0.0) else { return 1 };
+    let mut r = (target_seconds / pace).floor().max(1.0);
+    if let Some(rem) = remaining_seconds {
+        r = r.min((rem / pace).floor().max(1.0));
+    }
+    (r as usize).clamp(1, rounds_left)
+}
+
+/// Options of one `backfill` call (CLI flags over the workflow's values).
+#[derive(Debug, Clone, Default)]
+pub struct BackfillArgs {
+    pub max_waves: Option<u32>,
+    pub max_seconds: Option<f64>,
+    pub chunk_rows: Option<u64>,
+    pub min_headroom_hours: Option<f64>,
+    pub isolation: Option<Isolation>,
+    pub target_wave_seconds: Option<f64>,
+}
+
+/// The JSON result of a `backfill` call.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct BackfillResult {
+    pub step: &'static str,
+    /// S of the snapshot worked on (None when none is open).
+    pub snapshot: Option<Lsn>,
+    pub generation: i32,
+    pub chunks_done: usize,
+    pub chunks_total: usize,
+    pub done: bool,
+    pub paused: bool,
+    pub reason: Option<String>,
+    /// Waves this call committed (not counting a repaired one).
+    pub waves: u32,
+    pub rows: i64,
+    pub repaired_wave: Option<i64>,
+    /// Per wave: seconds from its last chunk's last row read to its facts rows committed.
+    pub wave_fixed_seconds: Vec<f64>,
+    pub duration_ms: i64,
+}
+
+/// What a chunked open returned.
+#[derive(Debug, Clone, Serialize)]
+pub struct OpenResult {
+    pub step: &'static str,
+    pub mode: &'static str,
+    pub snapshot_lsn: Lsn,
+    pub generation: i32,
+    pub opened_now: bool,
+    pub completed: bool,
+}
+
+/// Checks that the chunks can be cut on `keys` (adr-0028 Amendment 6): every
+/// column captured, orderable and bindable. Called before anything is recorded.
+pub fn check_keys(ctx: &Context, keys: &[String]) -> StepResult<Vec<SqlType>> {
+    if keys.is_empty() {
+        return Err(StepError::Config(format!(
+            "capture instance '{}' has no unique index, so there is no key to cut chunks on: name columns in snapshot.keys \
+             (unique or not; a column the writers do not update)",
+            ctx.instance.name
+        )));
+    }
+    let mut types = Vec::new();
+    for (i, k) in keys.iter().enumerate() {
+        let col = ctx.instance.column(k).ok_or_else(|| {
+            StepError::Config(format!("snapshot.keys names '{k}', which capture instance '{}' does not capture", ctx.instance.name))
+        })?;
+        if let Some(why) = col.sql_type.unorderable_reason() {
+            return Err(StepError::Config(format!(
+                "snapshot.keys names '{}' ({}), which chunks cannot be cut on: {why}. Name another column",
+                col.name,
+                col.sql_type.sql_name()
+            )));
+        }
+        let hundred_ns = matches!(col.sql_type, SqlType::Time { .. } | SqlType::DateTime2 { scale: 7 } | SqlType::DateTimeOffset { scale: 7 });
+        if hundred_ns && i + 1 < keys.len() {
+            return Err(StepError::Config(format!(
+                "snapshot.keys names '{}' ({}) before the last column: its bounds cannot be bound exactly (the drivers keep \
+                 microseconds, the column holds 100 ns). Put it last, or name other columns",
+                col.name,
+                col.sql_type.sql_name()
+            )));
+        }
+        types.push(col.sql_type.clone());
+    }
+    Ok(types)
+}
+
+/// Opens (or finds) the chunked snapshot of generation `generation`: records S
+/// and the key's extent and starts the generation at S, reading no rows.
+pub async fn ensure_open(ctx: &mut Context, kind: &str, generation: i32) -> StepResult<OpenResult> {
+    let app = ctx.workflow.app_id.clone();
+    let rows = state::facts_rows(&ctx.facts, &app).await?;
+    if let Some(o) = chunked_of_generation(&rows).filter(|o| o.generation == generation) {
+        let completed = is_completed(&rows, o.s);
+        return Ok(OpenResult { step: "snapshot", mode: "chunked", snapshot_lsn: o.s, generation, opened_now: false, completed });
+    }
+    let min = ctx.source.min_lsn(&ctx.instance.name).await?;
+    if let Some(full) = full_holding_mode(&rows, min) {
+        return Err(mode_conflict(&full, Mode::Chunked));
+    }
+    let keys = ctx.snapshot_keys();
+    check_keys(ctx, &keys)?;
+    let iso = ctx.workflow.snapshot.isolation;
+    let s = ctx.source.max_lsn().await?.ok_or_else(|| {
+        StepError::Temporary("the capture job has not recorded any LSN yet (max LSN is NULL): call again once it has run".into())
+    })?;
+    let table = ctx.workflow.table_name();
+    let extent = ctx.source.key_extent(&table, &keys, iso).await?;
+    let payload = OpenPayload { keys: keys.clone(), min: extent.as_ref().map(|e| e.0.clone()), max: extent.map(|e| e.1), kind: kind.to_string(), generation };
+    let mut plans_table = open_plans(ctx).await?;
+    let prow = PlanRow {
+        app_id: app.clone(),
+        snapshot: s,
+        event: EVENT_SNAPSHOT_OPEN.into(),
+        wave: None,
+        chunk: None,
+        detail: serde_json::to_value(&payload).map_err(|e| StepError::Internal(e.to_string()))?,
+        recorded_at: Some(Utc::now()),
+    };
+    append_plans(&mut plans_table, &app, vec![prow], &txn_open_plans(&app, s)).await?;
+    failpoint!("chunked.after_open_plans");
+    let mut row = ctx.fact_row(generation);
+    row.event = Some(EVENT_SNAPSHOT_OPEN.into());
+    row.min_lsn = Some(s);
+    row.max_lsn = Some(s);
+    row.commit_ts = ctx.commit_time(s).await?;
+    row.detail = Some(json!({"mode": "chunked", "kind": kind, "generation": generation, "isolation": iso}));
+    let appended = append_facts_rows(&mut ctx.facts, &app, vec![row], &txn_open_facts(&app, generation)).await?;
+    failpoint!("chunked.after_open");
+    if let Appended::AlreadyApplied { .. } = appended {
+        // Another call opened this generation's snapshot meanwhile: use theirs.
+        let rows = state::facts_rows(&ctx.facts, &app).await?;
+        let o = chunked_of_generation(&rows).ok_or_else(|| StepError::Internal("the facts hold the open's txn but no open row".into()))?;
+        return Ok(OpenResult { step: "snapshot", mode: "chunked", snapshot_lsn: o.s, generation, opened_now: false, completed: false });
+    }
+    tracing::info!(snapshot = %s, generation, keys = ?keys, "chunked snapshot opened: the stream starts at S now, backfill reads the table beside it");
+    Ok(OpenResult { step: "snapshot", mode: "chunked", snapshot_lsn: s, generation, opened_now: true, completed: false })
+}
+
+/// The bootstrap of a workflow with `snapshot.mode = "chunked"`: opens
+/// generation 0's chunked snapshot unless the stream already has one or a
+/// completed bootstrap. Returns None when there is nothing to open.
+pub async fn ensure_bootstrap_open(ctx: &mut Context) -> StepResult<Option<OpenResult>> {
+    let rows = state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
+    let bootstrapped = rows.iter().any(|r| r.generation == 0 && matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT)));
+    if generation_of(&rows) > 0 || bootstrapped {
+        return Ok(None);
+    }
+    ensure_open(ctx, EVENT_BOOTSTRAP, 0).await.map(Some)
+}
+
+/// Opens or creates the plans table next to bronze.
+pub async fn open_plans(ctx: &Context) -> StepResult<DeltaTable> {
+    let location = plans::location_for(&ctx.workflow.target.bronze);
+    delta::open_or_create(
+        &location,
+        &ctx.storage,
+        TableKind::Plans,
+        &plans::schema(),
+        &format!("mssql-cdc snapshot plans of {}: key values of chunked snapshots, next to bronze", ctx.workflow.table_name()),
+    )
+    .await
+}
+
+async fn append_plans(table: &mut DeltaTable, app: &str, rows: Vec<PlanRow>, txn: &Txn) -> StepResult<Appended> {
+    let summary: Vec<Value> = rows.iter().map(|r| json!({"event": r.event, "wave": r.wave, "chunk": r.chunk})).collect();
+    let meta = json!({"plans": summary, "app_id": app});
+    delta::append_batches(table, vec![plans::to_batch(&rows)], plans::schema(), txn, meta).await
+}
+
+async fn append_facts_rows(table: &mut DeltaTable, app: &str, rows: Vec<FactRow>, txn: &Txn) -> StepResult<Appended> {
+    let meta = json!({"facts": facts::summary(&rows), "app_id": app});
+    delta::append_batches(table, vec![facts::to_batch(&rows)], facts::schema(), txn, meta).await
+}
+
+/// The plans rows of snapshot `s`.
+async fn plan_rows(table: &mut DeltaTable, app: &str, s: Lsn) -> StepResult<Vec<PlanRow>> {
+    table.update_state().await.map_err(StepError::delta(table.table_url().to_string()))?;
+    let batches =
+        delta::query(table, &format!("SELECT * FROM t WHERE app_id = {} AND snapshot = {}", sql_str(app), sql_str(&s.to_hex()))).await?;
+    plans::from_batches(&batches)
+}
+
+fn payload_of<T: for<'de> Deserialize<'de>>(rows: &[PlanRow], event: &str, what: &str, location: &str) -> StepResult<T> {
+    let r = rows.iter().find(|r| r.event == event).ok_or_else(|| {
+        StepError::NeedsPerson(format!(
+            "the facts record the {what} of a chunked snapshot, but the plans table {location} has no row for it: \
+             a range without bounds is never read as the whole table. Restore the plans table, or open a new snapshot"
+        ))
+    })?;
+    serde_json::from_value(r.detail.clone()).map_err(|e| StepError::Internal(format!("the plans table's {what} row does not parse: {e}")))
+}
+
+/// Source adapters for the planners.
+struct SourceKeys {
+    source: SharedSource,
+    table: TableName,
+    keys: Vec<String>,
+    isolation: Isolation,
+}
+
+#[async_trait]
+impl KeyCounter for SourceKeys {
+    async fn count(&self, lo: i64, hi: i64, width: i64) -> Result<Vec<(i64, u64)>, SourceError> {
+        self.source.slice_counts(&self.table, &self.keys[0], lo, hi, width, self.isolation).await
+    }
+}
+
+#[async_trait]
+impl KeySeeker for SourceKeys {
+    async fn seek(&self, range: &KeyRange, n: u64) -> Result<Option<Key>, SourceError> {
+        self.source.key_seek(&self.table, &self.keys, range, n, self.isolation).await
+    }
+}
+
+fn same_columns(a: &[String], b: &[String]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.eq_ignore_ascii_case(y))
+}
+
+fn keyset_shape(ctx: &Context, keys: &[String]) -> KeysetShape {
+    let types = keys.iter().map(|k| ctx.instance.column(k).map(|c| c.sql_type.clone()).unwrap_or(SqlType::BigInt)).collect();
+    KeysetShape { types, unique: same_columns(keys, &ctx.instance.index_columns) }
+}
+
+/// Plans every chunk of the snapshot (pure planning over source reads).
+async fn compute_plan(ctx: &Context, open: &OpenPayload, chunk_rows: u64, isolation: Isolation) -> StepResult<PlanPayload> {
+    let table = ctx.workflow.table_name();
+    let adapter = SourceKeys { source: ctx.source.clone(), table: table.clone(), keys: open.keys.clone(), isolation };
+    let single_int = open.keys.len() == 1 && ctx.instance.column(&open.keys[0]).is_some_and(|c| c.sql_type.is_integer());
+    let (Some(min), Some(max)) = (&open.min, &open.max) else {
+        // No key at S (an empty table, or NULL keys only): one chunk; whatever
+        // is there now was inserted after S or is NULL, and reading it only replays.
+        return Ok(PlanPayload {
+            kind: "keyset".into(),
+            keys: open.keys.clone(),
+            chunk_rows,
+            chunk_count: 1,
+            chunks: vec![PlannedChunk { chunk: 0, lo: None, hi: None, rows: None }],
+            open_end: false,
+            isolation,
+        });
+    };
+    if let (true, Some(lo), Some(hi)) = (single_int, min[0].as_i64(), max[0].as_i64()) {
+        let estimate = ctx.source.row_estimate(&table).await?;
+        let chunks = planner::plan_integer(&adapter, lo, hi, chunk_rows, estimate).await?;
+        let chunks: Vec<PlannedChunk> = chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| PlannedChunk {
+                chunk: i as i64,
+                lo: c.lo.map(|v| vec![SqlValue::Int(v)]),
+                hi: c.hi.map(|v| vec![SqlValue::Int(v)]),
+                rows: Some(c.rows),
+            })
+            .collect();
+        return Ok(PlanPayload { kind: "integer".into(), keys: open.keys.clone(), chunk_rows, chunk_count: chunks.len(), chunks, open_end: false, isolation });
+    }
+    let shape = keyset_shape(ctx, &open.keys);
+    let bounds = planner::plan_keyset(&adapter, max, chunk_rows, &shape).await?;
+    let end = planner::last_bound(&adapter, max, &shape).await?;
+    let mut chunks = Vec::with_capacity(bounds.len() + 1);
+    let mut lo: Option<Key> = None;
+    for b in bounds {
+        chunks.push(PlannedChunk { chunk: chunks.len() as i64, lo: lo.clone(), hi: Some(b.clone()), rows: None });
+        lo = Some(b);
+    }
+    let open_end = end.is_none();
+    chunks.push(PlannedChunk { chunk: chunks.len() as i64, lo, hi: end, rows: None });
+    Ok(PlanPayload { kind: "keyset".into(), keys: open.keys.clone(), chunk_rows, chunk_count: chunks.len(), chunks, open_end, isolation })
+}
+
+/// Reads the plan, making it on the first call (plans row, read back, facts row).
+async fn ensure_plan(
+    ctx: &mut Context,
+    plans_table: &mut DeltaTable,
+    o: &Opened,
+    open: &OpenPayload,
+    facts_rows: &[FactRow],
+    args: &BackfillArgs,
+    isolation: Isolation,
+) -> StepResult<PlanPayload> {
+    let app = ctx.workflow.app_id.clone();
+    let hex = o.s.to_hex();
+    let location = plans::location_for(&ctx.workflow.target.bronze);
+    let has_facts_plan = facts_rows
+        .iter()
+        .any(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_PLAN) && r.detail.as_ref().and_then(|d| d.get("snapshot")).and_then(Value::as_str) == Some(hex.as_str()));
+    let rows = plan_rows(plans_table, &app, o.s).await?;
+    if has_facts_plan {
+        let plan: PlanPayload = payload_of(&rows, EVENT_SNAPSHOT_PLAN, "plan", &location)?;
+        if let Some(n) = args.chunk_rows.filter(|n| *n != plan.chunk_rows) {
+            tracing::warn!(asked = n, planned = plan.chunk_rows, "--chunk-rows is ignored: the snapshot's chunks were planned by its first backfill call and stay fixed");
+        }
+        return Ok(plan);
+    }
+    let plan: PlanPayload = match rows.iter().find(|r| r.event == EVENT_SNAPSHOT_PLAN) {
+        // A call stopped between the plans row and the facts row: that plan is the one.
+        Some(r) => serde_json::from_value(r.detail.clone()).map_err(|e| StepError::Internal(format!("plan row: {e}")))?,
+        None => {
+            let chunk_rows = args.chunk_rows.unwrap_or(ctx.workflow.snapshot.chunk_rows).max(1);
+            let started = Instant::now();
+            let plan = compute_plan(ctx, open, chunk_rows, isolation).await?;
+            tracing::info!(snapshot = %o.s, chunks = plan.chunk_count, kind = %plan.kind, ms = started.elapsed().as_millis() as u64, "planned the chunked snapshot");
+            let prow = PlanRow {
+                app_id: app.clone(),
+                snapshot: o.s,
+                event: EVENT_SNAPSHOT_PLAN.into(),
+                wave: None,
+                chunk: None,
+                detail: serde_json::to_value(&plan).map_err(|e| StepError::Internal(e.to_string()))?,
+                recorded_at: Some(Utc::now()),
+            };
+            append_plans(plans_table, &app, vec![prow], &txn_plan(&app, o.s)).await?;
+            failpoint!("chunked.after_plan_plans");
+            // The plan read back is the recorded one, whoever wrote it.
+            let rows = plan_rows(plans_table, &app, o.s).await?;
+            payload_of(&rows, EVENT_SNAPSHOT_PLAN, "plan", &location)?
+        }
+    };
+    let mut row = ctx.fact_row(o.generation);
+    row.event = Some(EVENT_SNAPSHOT_PLAN.into());
+    row.min_lsn = Some(o.s);
+    row.max_lsn = Some(o.s);
+    row.detail = Some(json!({"snapshot": hex, "kind": plan.kind, "chunk_rows": plan.chunk_rows, "chunk_count": plan.chunk_count}));
+    append_facts_rows(&mut ctx.facts, &app, vec![row], &txn_plan(&app, o.s)).await?;
+    failpoint!("chunked.after_plan");
+    Ok(plan)
+}
+
+/// A wave read and ready to commit.
+struct WaveRead {
+    wave: i64,
+    chunks: Vec<ChunkPayload>,
+    adds: Vec<deltalake::kernel::Add>,
+    rows: i64,
+    read_ended: Instant,
+    stamp_ts: Option<DateTime<Utc>>,
+    max_ts: Option<DateTime<Utc>>,
+}
+
+/// Everything the commit task needs, owned, so it runs beside the next read.
+struct Sink {
+    app: String,
+    s: Lsn,
+    generation: i32,
+    kind: String,
+    header: FactRow,
+    bronze: DeltaTable,
+    facts: DeltaTable,
+    plans: DeltaTable,
+    chunks_total: usize,
+    done: BTreeSet<i64>,
+    rows_total: i64,
+    waves_total: BTreeSet<i64>,
+}
+
+/// What committing a wave did.
+struct WaveCommitted {
+    rows: i64,
+    fixed_seconds: f64,
+}
+
+impl Sink {
+    fn chunk_fact(&self, c: &ChunkPayload, stamp_ts: Option<DateTime<Utc>>) -> FactRow {
+        let mut row = self.header.clone();
+        row.recorded_at = Some(Utc::now());
+        row.event = Some(EVENT_SNAPSHOT_CHUNK.into());
+        row.rows = Some(c.rows);
+        row.min_lsn = Some(c.stamp);
+        row.max_lsn = Some(c.max_lsn);
+        row.commit_ts = stamp_ts;
+        row.duration_ms = c.read_ms;
+        row.bronze_version = c.bronze_version;
+        row.detail = Some(json!({"snapshot": self.s.to_hex(), "chunk": c.chunk, "wave": c.wave, "last": c.last, "rounds": c.rounds}));
+        row
+    }
+
+    /// Commits a wave: bronze (unless its rows are there already), plans
+    /// rows, facts rows, and the completion row when it holds the last chunks.
+    async fn commit(&mut self, mut w: WaveRead) -> StepResult<WaveCommitted> {
+        let txn = txn_wave_bronze(&self.app, self.s, w.wave);
+        let bronze_version = if w.adds.is_empty() {
+            None
+        } else {
+            let meta = json!({
+                "kind": "snapshot_wave",
+                "snapshot_lsn": self.s,
+                "wave": w.wave,
+                "generation": self.generation,
+                "rows": w.rows,
+                "chunks": w.chunks.iter().map(|c| json!({
+                    "chunk": c.chunk, "lo": c.lo, "hi": c.hi, "last": c.last, "rows": c.rows,
+                    "stamp": c.stamp, "max_lsn": c.max_lsn, "rounds": c.rounds,
+                })).collect::<Vec<_>>(),
+            });
+            match delta::commit_adds(&mut self.bronze, std::mem::take(&mut w.adds), &txn, meta).await? {
+                Appended::Committed { table_version } => Some(table_version),
+                Appended::Empty => None,
+                Appended::AlreadyApplied { .. } => {
+                    return Err(StepError::Temporary(format!(
+                        "wave {} of the snapshot at {} was committed by another backfill call meanwhile: call again",
+                        w.wave, self.s
+                    )))
+                }
+            }
+        };
+        failpoint!("chunked.after_wave_bronze");
+        for c in &mut w.chunks {
+            c.bronze_version = bronze_version;
+        }
+        self.finish_wave(&w.chunks, w.stamp_ts, w.max_ts).await?;
+        let fixed_seconds = w.read_ended.elapsed().as_secs_f64();
+        self.complete_if_done(None).await?;
+        Ok(WaveCommitted { rows: w.rows, fixed_seconds })
+    }
+
+    /// The plans rows, then the facts rows, of a wave whose bronze rows are in.
+    async fn finish_wave(&mut self, chunks: &[ChunkPayload], stamp_ts: Option<DateTime<Utc>>, _max_ts: Option<DateTime<Utc>>) -> StepResult<()> {
+        let Some(wave) = chunks.first().map(|c| c.wave) else { return Ok(()) };
+        let prows: Vec<PlanRow> = chunks
+            .iter()
+            .map(|c| PlanRow {
+                app_id: self.app.clone(),
+                snapshot: self.s,
+                event: EVENT_SNAPSHOT_CHUNK.into(),
+                wave: Some(c.wave),
+                chunk: Some(c.chunk),
+                detail: serde_json::to_value(c).unwrap_or(Value::Null),
+                recorded_at: Some(Utc::now()),
+            })
+            .collect();
+        let txn = txn_wave_rows(&self.app, self.s, wave);
+        append_plans(&mut self.plans, &self.app, prows, &txn).await?;
+        failpoint!("chunked.after_wave_plans");
+        self.write_wave_facts(chunks, stamp_ts).await
+    }
+
+    async fn write_wave_facts(&mut self, chunks: &[ChunkPayload], stamp_ts: Option<DateTime<Utc>>) -> StepResult<()> {
+        let Some(wave) = chunks.first().map(|c| c.wave) else { return Ok(()) };
+        let frows: Vec<FactRow> = chunks.iter().map(|c| self.chunk_fact(c, stamp_ts)).collect();
+        let txn = txn_wave_rows(&self.app, self.s, wave);
+        append_facts_rows(&mut self.facts, &self.app, frows, &txn).await?;
+        failpoint!("chunked.after_wave_facts");
+        for c in chunks {
+            if self.done.insert(c.chunk) {
+                self.rows_total += c.rows;
+            }
+        }
+        self.waves_total.insert(wave);
+        Ok(())
+    }
+
+    /// Writes the completion row once every planned chunk has its facts row.
+    async fn complete_if_done(&mut self, commit_ts: Option<DateTime<Utc>>) -> StepResult<bool> {
+        if self.done.len() < self.chunks_total {
+            return Ok(false);
+        }
+        let mut row = self.header.clone();
+        row.recorded_at = Some(Utc::now());
+        row.event = Some(if self.kind == EVENT_RESNAPSHOT { EVENT_RESNAPSHOT } else { EVENT_BOOTSTRAP }.into());
+        row.min_lsn = Some(self.s);
+        row.max_lsn = Some(self.s);
+        row.rows = Some(self.rows_total);
+        row.commit_ts = commit_ts.or(row.commit_ts);
+        row.detail = Some(json!({"mode": "chunked", "snapshot": self.s.to_hex(), "chunks": self.chunks_total, "waves": self.waves_total.len()}));
+        append_facts_rows(&mut self.facts, &self.app, vec![row], &txn_completion(&self.app, self.generation)).await?;
+        failpoint!("chunked.after_complete");
+        tracing::info!(snapshot = %self.s, rows = self.rows_total, chunks = self.chunks_total, "chunked snapshot complete");
+        Ok(true)
+    }
+}
+
+/// Rebuilds the chunk payloads of a wave whose bronze commit is no longer in
+/// the log: from its rows in bronze (the chunks of `_snapshot = S` from the
+/// wave's first chunk to the last one with rows there), with the plan's bounds.
+async fn chunks_from_bronze(bronze_table: &DeltaTable, s: Lsn, wave: i64, plan: &PlanPayload, first: i64) -> StepResult<Vec<ChunkPayload>> {
+    let sql = format!(
+        "SELECT {chunk} AS chunk, COUNT(*) AS n, MIN({start}) AS stamp FROM t WHERE {snap} = {s} AND {op} = 0 AND {chunk} >= {first} GROUP BY {chunk}",
+        chunk = bronze::CHUNK,
+        start = bronze::START_LSN,
+        snap = bronze::SNAPSHOT,
+        op = bronze::OPERATION,
+        s = sql_str(&s.to_hex()),
+    );
+    let batches = delta::query(bronze_table, &sql).await?;
+    let mut found: BTreeMap<i64, (i64, Lsn)> = BTreeMap::new();
+    for b in &batches {
+        use deltalake::arrow::array::{Array, Int64Array, StringArray};
+        let c = b.column(0).as_any().downcast_ref::<Int64Array>().ok_or_else(|| StepError::Internal("chunk column".into()))?;
+        let n = b.column(1).as_any().downcast_ref::<Int64Array>().ok_or_else(|| StepError::Internal("count column".into()))?;
+        let st = b.column(2).as_any().downcast_ref::<StringArray>().ok_or_else(|| StepError::Internal("stamp column".into()))?;
+        for i in 0..b.num_rows() {
+            if c.is_null(i) {
+                continue;
+            }
+            let stamp = Lsn::parse(st.value(i)).map_err(|e| StepError::Internal(e.to_string()))?;
+            found.insert(c.value(i), (n.value(i), stamp));
+        }
+    }
+    let Some((&last, _)) = found.iter().next_back() else {
+        return Err(StepError::NeedsPerson(format!(
+            "bronze records wave {wave} of the chunked snapshot at {s}, but neither its commit nor its rows are there: \
+             open a new snapshot (a new generation) for this table"
+        )));
+    };
+    let stamp = found.values().map(|(_, l)| *l).min().unwrap_or(s);
+    let last_planned = plan.chunks.len() as i64 - 1;
+    Ok(plan
+        .chunks
+        .iter()
+        .filter(|c| c.chunk >= first && c.chunk <= last)
+        .map(|c| ChunkPayload {
+            chunk: c.chunk,
+            wave,
+            lo: c.lo.clone(),
+            hi: c.hi.clone(),
+            last: c.chunk == last_planned,
+            rows: found.get(&c.chunk).map(|x| x.0).unwrap_or(0),
+            stamp,
+            max_lsn: stamp,
+            read_ms: None,
+            rounds: 1,
+            bronze_version: None,
+        })
+        .collect())
+}
+
+/// Runs the `backfill` step.
+pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<BackfillResult> {
+    let started = Instant::now();
+    let app = ctx.workflow.app_id.clone();
+    let mut result = BackfillResult { step: "backfill", ..Default::default() };
+    ctx.facts.update_state().await.map_err(StepError::delta(&ctx.workflow.target.facts))?;
+    let mut rows = state::facts_rows(&ctx.facts, &app).await?;
+    let min = ctx.source.min_lsn(&ctx.instance.name).await?;
+    if let Some(full) = full_holding_mode(&rows, min) {
+        return Err(mode_conflict(&full, Mode::Chunked));
+    }
+    let mut open = open_chunked(&rows);
+    if open.is_none() && ctx.workflow.snapshot.bootstrap && ctx.workflow.snapshot.mode == crate::workflow::SnapshotMode::Chunked {
+        // The workflow asks for a chunked bootstrap the stream has not opened
+        // yet: open it here, so the two steps may be called in either order.
+        if ensure_bootstrap_open(ctx).await?.is_some() {
+            rows = state::facts_rows(&ctx.facts, &app).await?;
+            open = open_chunked(&rows);
+        }
+    }
+    let Some(o) = open else {
+        result.generation = generation_of(&rows);
+        if let Some(c) = chunked_of_generation(&rows) {
+            let p = progress(&rows, c.s);
+            result.snapshot = Some(c.s);
+            result.chunks_done = p.done.len();
+            result.chunks_total = p.done.len();
+        }
+        result.done = true;
+        result.reason = Some("no chunked snapshot is open: nothing to backfill".into());
+        return Ok(result);
+    };
+    result.snapshot = Some(o.s);
+    result.generation = o.generation;
+    let isolation = args.isolation.unwrap_or(ctx.workflow.snapshot.isolation);
+    let mut plans_table = open_plans(ctx).await?;
+    let location = plans::location_for(&ctx.workflow.target.bronze);
+    let prow = plan_rows(&mut plans_table, &app, o.s).await?;
+    let open_payload: OpenPayload = payload_of(&prow, EVENT_SNAPSHOT_OPEN, "open", &location)?;
+    let keys_now = ctx.snapshot_keys();
+    if !same_columns(&open_payload.keys, &keys_now) {
+        return Err(StepError::Config(format!(
+            "the chunked snapshot at {} is cut on ({}), but the workflow's keys are now ({}): a plan never moves to other columns. \
+             Set snapshot.keys back to [{}] until the snapshot completes",
+            o.s,
+            open_payload.keys.join(", "),
+            keys_now.join(", "),
+            open_payload.keys.iter().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(", ")
+        )));
+    }
+    let plan = ensure_plan(ctx, &mut plans_table, &o, &open_payload, &rows, args, isolation).await?;
+    result.chunks_total = plan.chunk_count;
+
+    // Reload after planning: the facts now hold every row this call relies on.
+    rows = state::facts_rows(&ctx.facts, &app).await?;
+    let mut prog = progress(&rows, o.s);
+    let mut header = ctx.fact_row(o.generation);
+    header.recorded_at = None;
+    header.commit_ts = ctx.commit_time(o.s).await?;
+    let mut sink = Sink {
+        app: app.clone(),
+        s: o.s,
+        generation: o.generation,
+        kind: o.kind.clone(),
+        header,
+        bronze: ctx.bronze.clone(),
+        facts: ctx.facts.clone(),
+        plans: plans_table,
+        chunks_total: plan.chunk_count,
+        done: prog.done.keys().copied().collect(),
+        rows_total: prog.done.values().sum(),
+        waves_total: prog.waves.clone(),
+    };
+
+    // Repair: a wave whose bronze or plans rows are in without its facts rows.
+    let wave_app = txn_wave_bronze(&app, o.s, 0).app_id;
+    let rows_app = txn_wave_rows(&app, o.s, 0).app_id;
+    let bv = delta::txn_version(&sink.bronze, &wave_app).await?;
+    let pv = delta::txn_version(&sink.plans, &rows_app).await?;
+    let fv = delta::txn_version(&sink.facts, &rows_app).await?;
+    if pv > fv {
+        let w = pv.expect("greater than something");
+        let prs = plan_rows(&mut sink.plans, &app, o.s).await?;
+        let chunks: Vec<ChunkPayload> = prs
+            .iter()
+            .filter(|r| r.event == EVENT_SNAPSHOT_CHUNK && r.wave == Some(w))
+            .filter_map(|r| serde_json::from_value(r.detail.clone()).ok())
+            .collect();
+        tracing::warn!(wave = w, "the plans table holds a wave without its facts rows (a crash between the two): writing them now");
+        let ts = match chunks.first() {
+            Some(c) => ctx.commit_time(c.stamp).await?,
+            None => None,
+        };
+        sink.write_wave_facts(&chunks, ts).await?;
+        result.repaired_wave = Some(w);
+    } else if bv > pv.max(fv) {
+        let w = bv.expect("greater than something");
+        let chunks: Vec<ChunkPayload> = match delta::find_txn_commit(&sink.bronze, &Txn::new(wave_app.clone(), w)).await? {
+            Some((version, meta)) => meta
+                .get("chunks")
+                .and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|c| {
+                            let mut c = c.clone();
+                            c["wave"] = json!(w);
+                            c["bronze_version"] = json!(version);
+                            c["read_ms"] = Value::Null;
+                            serde_json::from_value::<ChunkPayload>(c).ok()
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+            None => {
+                let first = plan.chunks.iter().map(|c| c.chunk).find(|c| !sink.done.contains(c)).unwrap_or(0);
+                tracing::warn!(wave = w, "the wave's bronze commit is no longer in the log: rebuilding its facts from its rows in bronze");
+                chunks_from_bronze(&sink.bronze, o.s, w, &plan, first).await?
+            }
+        };
+        if chunks.is_empty() {
+            return Err(StepError::Internal(format!("bronze's commit of wave {w} names no chunks")));
+        }
+        tracing::warn!(wave = w, chunks = chunks.len(), "bronze holds a wave without its facts rows (a crash between the commits): writing them now");
+        let ts = ctx.commit_time(chunks[0].stamp).await?;
+        sink.finish_wave(&chunks, ts, None).await?;
+        result.repaired_wave = Some(w);
+    }
+    if result.repaired_wave.is_some() {
+        rows = state::facts_rows(&sink.facts, &app).await?;
+        prog = progress(&rows, o.s);
+    }
+    if sink.complete_if_done(None).await? || is_completed(&state::facts_rows(&sink.facts, &app).await?, o.s) {
+        result.chunks_done = sink.done.len();
+        result.done = true;
+        result.reason = Some("complete".into());
+        ctx.facts = sink.facts;
+        ctx.bronze = sink.bronze;
+        result.duration_ms = started.elapsed().as_millis() as i64;
+        return Ok(result);
+    }
+
+    // The waves.
+    let mut pending: VecDeque<PlannedChunk> = plan.chunks.iter().filter(|c| !sink.done.contains(&c.chunk)).cloned().collect();
+    let mut next_wave = [bv, pv, fv, prog.last_wave].into_iter().flatten().max().map(|w| w + 1).unwrap_or(0);
+    let parallelism = ctx.workflow.snapshot.parallelism.max(1);
+    let target = args.target_wave_seconds.unwrap_or(ctx.workflow.snapshot.target_wave_seconds);
+    let min_headroom_hours = args.min_headroom_hours.or(ctx.workflow.snapshot.min_headroom_hours);
+    let deadline = args.max_seconds.map(|s| started + Duration::from_secs_f64(s.max(0.0)));
+    let mut pace = prog.pace_round_seconds;
+    let shape = keyset_shape(ctx, &plan.keys);
+    let adapter = SourceKeys { source: ctx.source.clone(), table: ctx.workflow.table_name(), keys: plan.keys.clone(), isolation };
+    let last_chunk = plan.chunks.len() as i64 - 1;
+    let mut inflight: Option<tokio::task::JoinHandle<(Sink, StepResult<WaveCommitted>)>> = None;
+    let mut sink_slot = Some(sink);
+    let mut stop_reason: Option<String> = None;
+    let mut failure: Option<StepError> = None;
+    let mut waves_started = 0u32;
+    loop {
+        if pending.is_empty() {
+            break;
+        }
+        if args.max_waves.is_some_and(|m| waves_started >= m) {
+            stop_reason = Some(format!("max_waves ({}) reached", waves_started));
+            break;
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            stop_reason = Some("max_seconds reached".into());
+            break;
+        }
+        if let Some(h) = min_headroom_hours {
+            let headroom = newest_headroom(&ctx.facts, &app, o.generation).await?;
+            if headroom.is_none_or(|s| s < h * 3600.0) {
+                result.paused = true;
+                stop_reason = Some(match headroom {
+                    Some(s) => format!(
+                        "paused: the stream's retention headroom is {:.2} h, below min_headroom_hours {h}; call again once the stream has caught up",
+                        s / 3600.0
+                    ),
+                    None => format!("paused: the stream has no batch with a headroom yet (min_headroom_hours {h}); run the stream step first"),
+                });
+                break;
+            }
+        }
+        let remaining = deadline.map(|d| d.saturating_duration_since(Instant::now()).as_secs_f64());
+        let rounds_left = pending.len().div_ceil(parallelism);
+        let rounds = rounds_for_wave(target, pace, remaining, rounds_left);
+        let take = (rounds * parallelism).min(pending.len());
+        let mut chunks: Vec<PlannedChunk> = pending.drain(..take).collect();
+        if plan.open_end {
+            if let (Some(c), Some(max)) = (chunks.iter_mut().find(|c| c.chunk == last_chunk), &open_payload.max) {
+                // The last chunk ends at the first key after MAX as it is now,
+                // so rows inserted above MAX since S (the stream's) do not pile into it.
+                c.hi = planner::last_bound(&adapter, max, &shape).await?;
+            }
+        }
+        let wave = next_wave;
+        next_wave += 1;
+        waves_started += 1;
+        let read = read_wave(ctx, o.s, wave, &chunks, rounds as u32, isolation, last_chunk).await;
+        // Hand over: the previous wave's commits must finish before this one's start.
+        if let Some(h) = inflight.take() {
+            let (sink, r) = h.await.map_err(|e| StepError::Internal(format!("the commit task failed: {e}")))?;
+            sink_slot = Some(sink);
+            match r {
+                Ok(c) => {
+                    result.waves += 1;
+                    result.rows += c.rows;
+                    result.wave_fixed_seconds.push(c.fixed_seconds);
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        let read = match read {
+            Ok(r) => r,
+            Err(e) => {
+                failure = Some(e);
+                break;
+            }
+        };
+        pace = Some(read.chunks.iter().filter_map(|c| c.read_ms).max().unwrap_or(0) as f64 / 1000.0 / rounds.max(1) as f64);
+        let mut sink = sink_slot.take().expect("the sink is back after its commit");
+        inflight = Some(tokio::spawn(async move {
+            let r = sink.commit(read).await;
+            (sink, r)
+        }));
+    }
+    if let Some(h) = inflight.take() {
+        let (sink, r) = h.await.map_err(|e| StepError::Internal(format!("the commit task failed: {e}")))?;
+        sink_slot = Some(sink);
+        match r {
+            Ok(c) => {
+                result.waves += 1;
+                result.rows += c.rows;
+                result.wave_fixed_seconds.push(c.fixed_seconds);
+            }
+            Err(e) => {
+                failure.get_or_insert(e);
+            }
+        }
+    }
+    let sink = sink_slot.expect("the sink is back");
+    result.chunks_done = sink.done.len();
+    result.done = sink.done.len() >= sink.chunks_total;
+    ctx.facts = sink.facts;
+    ctx.bronze = sink.bronze;
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    result.reason = if result.done { Some("complete".into()) } else { stop_reason };
+    result.duration_ms = started.elapsed().as_millis() as i64;
+    Ok(result)
+}
+
+/// The stream's newest batch headroom in this generation, in seconds.
+async fn newest_headroom(facts_table: &DeltaTable, app: &str, generation: i32) -> StepResult<Option<f64>> {
+    let mut t = facts_table.clone();
+    t.update_state().await.map_err(StepError::delta(t.table_url().to_string()))?;
+    let sql = format!(
+        "SELECT headroom_seconds FROM t WHERE app_id = {} AND generation = {generation} AND event IS NULL AND batch_id IS NOT NULL \
+         ORDER BY batch_id DESC LIMIT 1",
+        sql_str(app)
+    );
+    let batches = delta::query(&t, &sql).await?;
+    for b in &batches {
+        use deltalake::arrow::array::{Array, Float64Array};
+        if let Some(a) = b.column(0).as_any().downcast_ref::<Float64Array>() {
+            if a.len() > 0 && !a.is_null(0) {
+                return Ok(Some(a.value(0)));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Stamps and reads one wave: `parallelism` connections take the wave's
+/// chunks in order from a shared queue (neighbouring chunks read side by
+/// side, no connection idle while another has chunks left), each writing
+/// its rows straight into bronze data files.
+async fn read_wave(
+    ctx: &Context,
+    s: Lsn,
+    wave: i64,
+    chunks: &[PlannedChunk],
+    rounds: u32,
+    isolation: Isolation,
+    last_chunk: i64,
+) -> StepResult<WaveRead> {
+    let stamp = ctx.source.max_lsn().await?.ok_or_else(|| StepError::Temporary("max LSN is NULL: call again once capture has run".into()))?;
+    if stamp < s {
+        return Err(StepError::Temporary(format!(
+            "the source's max LSN {stamp} is below the snapshot's S {s} (a readable secondary behind the primary?): \
+             a chunk stamped below S could miss commits the stream does not have. Read from the server S came from"
+        )));
+    }
+    let stamp_ts = ctx.commit_time(stamp).await?;
+    let queue: Arc<Mutex<VecDeque<PlannedChunk>>> = Arc::new(Mutex::new(chunks.iter().cloned().collect()));
+    let bronze_schema = ctx.bronze_schema()?;
+    let connections = ctx.workflow.snapshot.parallelism.max(1).min(chunks.len().max(1));
+    let mut tasks = Vec::with_capacity(connections);
+    for _ in 0..connections {
+        let queue = queue.clone();
+        let source = ctx.source.clone();
+        let table = ctx.bronze.clone();
+        let schema = bronze_schema.clone();
+        let base = SnapshotRead {
+            table: ctx.workflow.table_name(),
+            columns: ctx.instance.columns.clone(),
+            keys: Vec::new(),
+            range: KeyRange::all(),
+            isolation,
+            batch_rows: ctx.workflow.snapshot.batch_rows,
+        };
+        let keys = ctx.snapshot_keys();
+        let ci = ctx.instance.name.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut writer = RecordBatchWriter::for_table(&table)
+                .map_err(StepError::delta(table.table_url().to_string()))?
+                .with_target_file_size(TARGET_FILE_BYTES);
+            let mut done: Vec<(PlannedChunk, i64, i64)> = Vec::new();
+            loop {
+                let Some(chunk) = queue.lock().await.pop_front() else { break };
+                let t0 = Instant::now();
+                let read = SnapshotRead { keys: keys.clone(), range: KeyRange { lo: chunk.lo.clone(), hi: chunk.hi.clone() }, ..base.clone() };
+                let stamp = SnapshotStamp { snapshot: s, start_lsn: stamp, commit_ts: stamp_ts, capture_instance: ci.clone(), chunk: Some(chunk.chunk) };
+                let mut stream = source.snapshot_read(&read).await?;
+                let mut n = 0i64;
+                while let Some(b) = stream.next().await {
+                    let b = b?;
+                    if b.num_rows() == 0 {
+                        continue;
+                    }
+                    n += b.num_rows() as i64;
+                    let rows = bronze::from_snapshot(&b, &schema, &stamp)?;
+                    writer.write(rows).await.map_err(StepError::delta(table.table_url().to_string()))?;
+                }
+                done.push((chunk, n, t0.elapsed().as_millis() as i64));
+            }
+            let adds = writer.flush().await.map_err(StepError::delta(table.table_url().to_string()))?;
+            Ok::<_, StepError>((adds, done))
+        }));
+    }
+    let mut adds = Vec::new();
+    let mut read: Vec<(PlannedChunk, i64, i64)> = Vec::new();
+    let mut first_error = None;
+    for t in tasks {
+        match t.await {
+            Ok(Ok((a, d))) => {
+                adds.extend(a);
+                read.extend(d);
+            }
+            Ok(Err(e)) => {
+                first_error.get_or_insert(e);
+            }
+            Err(e) => {
+                first_error.get_or_insert(StepError::Internal(format!("a chunk reader panicked: {e}")));
+            }
+        }
+    }
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    let read_ended = Instant::now();
+    let max_after = ctx.source.max_lsn().await?.unwrap_or(stamp);
+    let max_ts = ctx.commit_time(max_after).await?;
+    read.sort_by_key(|(c, _, _)| c.chunk);
+    let rows: i64 = read.iter().map(|(_, n, _)| n).sum();
+    let chunks = read
+        .into_iter()
+        .map(|(c, n, ms)| ChunkPayload {
+            chunk: c.chunk,
+            wave,
+            lo: c.lo,
+            hi: c.hi,
+            last: c.chunk == last_chunk,
+            rows: n,
+            stamp,
+            max_lsn: max_after,
+            read_ms: Some(ms),
+            rounds,
+            bronze_version: None,
+        })
+        .collect();
+    Ok(WaveRead { wave, chunks, adds, rows, read_ended, stamp_ts, max_ts })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lsn(n: u128) -> Lsn {
+        Lsn::from_u128(n)
+    }
+
+    fn open(gen: i32, s: u128, mode: &str) -> FactRow {
+        FactRow {
+            app_id: "a".into(),
+            generation: gen,
+            event: Some(EVENT_SNAPSHOT_OPEN.into()),
+            min_lsn: Some(lsn(s)),
+            max_lsn: Some(lsn(s)),
+            detail: Some(json!({"mode": mode, "kind": "bootstrap", "generation": gen})),
+            ..Default::default()
+        }
+    }
+
+    fn done(gen: i32, s: u128) -> FactRow {
+        FactRow { app_id: "a".into(), generation: gen, event: Some(EVENT_BOOTSTRAP.into()), min_lsn: Some(lsn(s)), max_lsn: Some(lsn(s)), ..Default::default() }
+    }
+
+    fn chunk(s: u128, c: i64, wave: i64, rows: i64, ms: i64, rounds: u32) -> FactRow {
+        FactRow {
+            app_id: "a".into(),
+            event: Some(EVENT_SNAPSHOT_CHUNK.into()),
+            rows: Some(rows),
+            duration_ms: Some(ms),
+            detail: Some(json!({"snapshot": lsn(s).to_hex(), "chunk": c, "wave": wave, "rounds": rounds})),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_full_open_holds_the_mode_until_completed_passed_by_cleanup_or_joined_by_a_chunked_open() {
+        let rows = vec![open(0, 10, "full")];
+        assert_eq!(full_holding_mode(&rows, Some(lsn(5))).map(|o| o.s), Some(lsn(10)));
+        // Cleanup passed S: the run can never complete, so it no longer holds.
+        assert_eq!(full_holding_mode(&rows, Some(lsn(12))), None);
+        // Completed (by any later completion).
+        assert_eq!(full_holding_mode(&[open(0, 10, "full"), done(0, 11)], Some(lsn(5))), None);
+        // A chunked open of its generation took the generation over.
+        assert_eq!(full_holding_mode(&[open(0, 10, "full"), open(0, 12, "chunked")], Some(lsn(5))), None);
+        // An older generation's full open is not this run's.
+        assert_eq!(full_holding_mode(&[open(0, 10, "full"), done(1, 3)], Some(lsn(5))), None);
+    }
+
+    #[test]
+    fn backfill_works_on_the_newest_chunked_open_of_the_current_generation() {
+        let rows = vec![open(0, 10, "chunked"), open(1, 30, "chunked")];
+        assert_eq!(open_chunked(&rows).map(|o| (o.s, o.generation)), Some((lsn(30), 1)));
+        let rows = vec![open(0, 10, "chunked"), done(0, 10)];
+        assert_eq!(open_chunked(&rows), None);
+        assert_eq!(chunked_of_generation(&rows).map(|o| o.s), Some(lsn(10)));
+        // A loss opened generation 1 without a chunked snapshot: generation 0's is abandoned.
+        let rows = vec![open(0, 10, "chunked"), done(1, 40)];
+        assert_eq!(open_chunked(&rows), None);
+    }
+
+    #[test]
+    fn progress_counts_chunks_of_its_snapshot_and_the_newest_pace() {
+        let rows = vec![chunk(10, 0, 0, 5, 4000, 2), chunk(10, 1, 0, 6, 3000, 2), chunk(10, 2, 1, 7, 1000, 1), chunk(99, 9, 5, 1, 1, 1)];
+        let p = progress(&rows, lsn(10));
+        assert_eq!(p.done.keys().copied().collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert_eq!(p.done.values().sum::<i64>(), 18);
+        assert_eq!(p.last_wave, Some(1));
+        assert_eq!(p.pace_round_seconds, Some(1.0));
+    }
+
+    #[test]
+    fn rounds_follow_the_target_the_pace_and_the_time_left() {
+        assert_eq!(rounds_for_wave(300.0, None, None, 10), 1, "no pace yet: one round");
+        assert_eq!(rounds_for_wave(0.0, Some(1.0), None, 10), 1, "target 0: one round a wave");
+        assert_eq!(rounds_for_wave(300.0, Some(60.0), None, 10), 5);
+        assert_eq!(rounds_for_wave(300.0, Some(60.0), Some(130.0), 10), 2, "bounded by max_seconds");
+        assert_eq!(rounds_for_wave(300.0, Some(60.0), Some(10.0), 10), 1, "at least one");
+        assert_eq!(rounds_for_wave(300.0, Some(1.0), None, 3), 3, "no more than are left");
+    }
+}
