@@ -44,6 +44,9 @@ pub enum Command {
     Sim(crate::sim::cli::SimCommand),
     /// Run a demo scenario end to end on the simulator and check the result.
     Demo(crate::demo::DemoArgs),
+    /// Benchmarks that print figures (last stdout line: JSON).
+    #[command(subcommand)]
+    Bench(crate::bench::BenchCommand),
 }
 
 /// Flags of `backfill` (each overrides the workflow's value for this call).
@@ -213,6 +216,7 @@ pub async fn run(cli: Cli) -> Result<(Value, i32), StepError> {
                 .map_err(|e| StepError::Config(e.to_string()))?;
             Ok((v, EXIT_OK))
         }
+        Command::Bench(cmd) => Ok((crate::bench::run(cmd).await?, EXIT_OK)),
         Command::Demo(args) => {
             let (v, ok) = crate::demo::run(args).await?;
             Ok((v, if ok { EXIT_OK } else { crate::error::EXIT_NEEDS_PERSON }))

@@ -358,7 +358,7 @@ async fn chunked(args: DemoArgs) -> StepResult<(Value, bool)> {
         })
     };
     let handle = { h.lock().await.stream_handle() };
-    let bf_args = engine::chunked::BackfillArgs { max_seconds: Some(3.0), ..Default::default() };
+    let bf_args = engine::chunked::BackfillArgs { max_seconds: Some(2.0), ..Default::default() };
     let (mut calls, mut waves, mut backfill_rows, mut chunks_total) = (0u32, 0u32, 0i64, 0usize);
     let mut fixed: Vec<f64> = Vec::new();
     let backfill_outcome: StepResult<()> = async {

@@ -168,12 +168,15 @@ async fn a_wave_whose_commit_left_the_log_is_rebuilt_from_its_rows_in_bronze() {
     fail::cfg("chunked.after_wave_bronze", "1*return").unwrap();
     assert!(backfill(&s, one_wave()).await.is_err());
     fail::remove("chunked.after_wave_bronze");
-    // Log cleanup: checkpoint bronze and drop the JSON commits the checkpoint covers.
+    // Log cleanup: a later commit, a checkpoint at it, and the JSON commits
+    // before it dropped (the wave's among them), as Delta's log cleanup does.
+    s.changes(3);
+    s.stream().await.unwrap();
     {
         let ctx = s.context().await.unwrap();
         deltalake::checkpoints::create_checkpoint(&ctx.bronze, None).await.unwrap();
         let v = ctx.bronze.version().unwrap();
-        for i in 0..=v {
+        for i in 0..v {
             let f = std::path::Path::new(&ctx.workflow.target.bronze).join("_delta_log").join(format!("{i:020}.json"));
             std::fs::remove_file(&f).unwrap();
         }
@@ -241,7 +244,10 @@ async fn one_snapshot_mode_per_run() {
 async fn backfill_pauses_while_headroom_is_below_the_minimum() {
     let _fp = fail::FailScenario::setup();
     let mut s = Scenario::new(30, CHUNKED);
-    s.stream().await.unwrap();
+    let opened = s.stream().await.unwrap().position.unwrap();
+    // Cleanup up to S: the capture instance's min LSN gets a commit time, so
+    // the stream's batches record a headroom (position minus that time).
+    s.db.cleanup_to_lsn(opened).unwrap();
     // No batch yet: no headroom known, so it pauses.
     let b = backfill(&s, BackfillArgs { min_headroom_hours: Some(1.0), ..one_wave() }).await.unwrap();
     assert!(b.paused && !b.done && b.waves == 0, "{b:?}");
@@ -392,10 +398,11 @@ async fn keys_chunks_cannot_be_cut_on_are_refused_before_anything_is_recorded() 
 /// leave one snapshot, every row once, and bronze equal to the source.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_drill_at_every_chunked_failpoint() {
+    // Failpoints are process-wide: hold the lock for the whole drill.
+    let _guard = fail::FailScenario::setup();
     for fp in mssql_cdc::engine::FAILPOINTS.iter().filter(|f| f.starts_with("chunked.")) {
         let mut s = Scenario::new(50, CHUNKED);
         let fired = {
-            let _guard = fail::FailScenario::setup();
             fail::cfg(*fp, "1*return").unwrap();
             let mut fired = false;
             for _ in 0..12 {

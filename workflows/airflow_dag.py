@@ -19,9 +19,10 @@ def run_step(step: str) -> dict:
         proc = subprocess.run(["mssql-cdc", "--workflow", WORKFLOW, step], capture_output=True, text=True)
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         if proc.returncode == 0:
-            if not result.get("call_again"):
-                return result
-            continue
+            # stream: call_again; backfill (chunked snapshots): done.
+            if result.get("call_again") or (step == "backfill" and not result.get("done")):
+                continue
+            return result
         if proc.returncode == 75:
             raise RuntimeError(f"temporary failure, Airflow retries: {result}")
         raise AirflowFailException(f"mssql-cdc {step} needs a person (exit {proc.returncode}): {result}")
@@ -35,4 +36,7 @@ with DAG(
     max_active_runs=1,
     default_args={"retries": 5, "retry_delay": timedelta(minutes=1)},
 ) as dag:
-    PythonOperator(task_id="stream", python_callable=run_step, op_args=["stream"])
+    stream = PythonOperator(task_id="stream", python_callable=run_step, op_args=["stream"])
+    # With snapshot.mode = "chunked": backfill reads the table beside the stream
+    # (parallel tasks); after the snapshot completes it returns done at once.
+    backfill = PythonOperator(task_id="backfill", python_callable=run_step, op_args=["backfill"])

@@ -17,9 +17,13 @@ pub async fn render(table: &DeltaTable, label: &str) -> StepResult<Vec<String>> 
     let mut lines = Vec::new();
     let Some(latest) = table.version() else { return Ok(lines) };
     for v in 0..=latest {
-        let Some(bytes) = table.log_store().read_commit_entry(v).await.map_err(StepError::delta(&url))? else {
-            lines.push(format!("{label} v{v} (cleaned up)"));
-            continue;
+        let bytes = match table.log_store().read_commit_entry(v).await {
+            Ok(Some(b)) => b,
+            Ok(None) | Err(deltalake::DeltaTableError::InvalidVersion(_)) => {
+                lines.push(format!("{label} v{v} (cleaned up)"));
+                continue;
+            }
+            Err(e) => return Err(StepError::delta(&url)(e)),
         };
         let mut op = String::new();
         let mut txns = Vec::new();

@@ -532,9 +532,11 @@ pub async fn find_txn_commit(table: &DeltaTable, txn: &Txn) -> StepResult<Option
     let label = table.table_url().to_string();
     let mut v = table.version().map(|v| v as i64).unwrap_or(-1);
     while v >= 0 {
-        let bytes = match table.log_store().read_commit_entry(v as u64).await.map_err(StepError::delta(&label))? {
-            Some(b) => b,
-            None => break, // older commits were cleaned up
+        let bytes = match table.log_store().read_commit_entry(v as u64).await {
+            Ok(Some(b)) => b,
+            // Older commits were cleaned up (a checkpoint stands in for them).
+            Ok(None) | Err(deltalake::DeltaTableError::InvalidVersion(_)) => break,
+            Err(e) => return Err(StepError::delta(&label)(e)),
         };
         let mut found = false;
         let mut meta = Value::Null;

@@ -622,7 +622,6 @@ struct WaveRead {
     rows: i64,
     read_ended: Instant,
     stamp_ts: Option<DateTime<Utc>>,
-    max_ts: Option<DateTime<Utc>>,
 }
 
 /// Everything the commit task needs, owned, so it runs beside the next read.
@@ -648,7 +647,7 @@ struct WaveCommitted {
 }
 
 impl Sink {
-    fn chunk_fact(&self, c: &ChunkPayload, stamp_ts: Option<DateTime<Utc>>) -> FactRow {
+    fn chunk_fact(&self, c: &ChunkPayload, stamp_ts: Option<DateTime<Utc>>, repaired: bool) -> FactRow {
         let mut row = self.header.clone();
         row.recorded_at = Some(Utc::now());
         row.event = Some(EVENT_SNAPSHOT_CHUNK.into());
@@ -658,7 +657,11 @@ impl Sink {
         row.commit_ts = stamp_ts;
         row.duration_ms = c.read_ms;
         row.bronze_version = c.bronze_version;
-        row.detail = Some(json!({"snapshot": self.s.to_hex(), "chunk": c.chunk, "wave": c.wave, "last": c.last, "rounds": c.rounds}));
+        let mut detail = json!({"snapshot": self.s.to_hex(), "chunk": c.chunk, "wave": c.wave, "last": c.last, "rounds": c.rounds});
+        if repaired {
+            detail["repaired"] = json!(true);
+        }
+        row.detail = Some(detail);
         row
     }
 
@@ -695,14 +698,14 @@ impl Sink {
         for c in &mut w.chunks {
             c.bronze_version = bronze_version;
         }
-        self.finish_wave(&w.chunks, w.stamp_ts, w.max_ts).await?;
+        self.finish_wave(&w.chunks, w.stamp_ts, false).await?;
         let fixed_seconds = w.read_ended.elapsed().as_secs_f64();
         self.complete_if_done(None).await?;
         Ok(WaveCommitted { rows: w.rows, fixed_seconds })
     }
 
     /// The plans rows, then the facts rows, of a wave whose bronze rows are in.
-    async fn finish_wave(&mut self, chunks: &[ChunkPayload], stamp_ts: Option<DateTime<Utc>>, _max_ts: Option<DateTime<Utc>>) -> StepResult<()> {
+    async fn finish_wave(&mut self, chunks: &[ChunkPayload], stamp_ts: Option<DateTime<Utc>>, repaired: bool) -> StepResult<()> {
         let Some(wave) = chunks.first().map(|c| c.wave) else { return Ok(()) };
         let prows: Vec<PlanRow> = chunks
             .iter()
@@ -719,12 +722,12 @@ impl Sink {
         let txn = txn_wave_rows(&self.app, self.s, wave);
         append_plans(&mut self.plans, &self.app, prows, &txn).await?;
         failpoint!("chunked.after_wave_plans");
-        self.write_wave_facts(chunks, stamp_ts).await
+        self.write_wave_facts(chunks, stamp_ts, repaired).await
     }
 
-    async fn write_wave_facts(&mut self, chunks: &[ChunkPayload], stamp_ts: Option<DateTime<Utc>>) -> StepResult<()> {
+    async fn write_wave_facts(&mut self, chunks: &[ChunkPayload], stamp_ts: Option<DateTime<Utc>>, repaired: bool) -> StepResult<()> {
         let Some(wave) = chunks.first().map(|c| c.wave) else { return Ok(()) };
-        let frows: Vec<FactRow> = chunks.iter().map(|c| self.chunk_fact(c, stamp_ts)).collect();
+        let frows: Vec<FactRow> = chunks.iter().map(|c| self.chunk_fact(c, stamp_ts, repaired)).collect();
         let txn = txn_wave_rows(&self.app, self.s, wave);
         append_facts_rows(&mut self.facts, &self.app, frows, &txn).await?;
         failpoint!("chunked.after_wave_facts");
@@ -905,7 +908,7 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
             Some(c) => ctx.commit_time(c.stamp).await?,
             None => None,
         };
-        sink.write_wave_facts(&chunks, ts).await?;
+        sink.write_wave_facts(&chunks, ts, true).await?;
         result.repaired_wave = Some(w);
     } else if bv > pv.max(fv) {
         let w = bv.expect("greater than something");
@@ -936,7 +939,7 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         }
         tracing::warn!(wave = w, chunks = chunks.len(), "bronze holds a wave without its facts rows (a crash between the commits): writing them now");
         let ts = ctx.commit_time(chunks[0].stamp).await?;
-        sink.finish_wave(&chunks, ts, None).await?;
+        sink.finish_wave(&chunks, ts, true).await?;
         result.repaired_wave = Some(w);
     }
     if result.repaired_wave.is_some() {
@@ -1178,7 +1181,6 @@ async fn read_wave(
     }
     let read_ended = Instant::now();
     let max_after = ctx.source.max_lsn().await?.unwrap_or(stamp);
-    let max_ts = ctx.commit_time(max_after).await?;
     read.sort_by_key(|(c, _, _)| c.chunk);
     let rows: i64 = read.iter().map(|(_, n, _)| n).sum();
     let chunks = read
@@ -1197,7 +1199,7 @@ async fn read_wave(
             bronze_version: None,
         })
         .collect();
-    Ok(WaveRead { wave, chunks, adds, rows, read_ended, stamp_ts, max_ts })
+    Ok(WaveRead { wave, chunks, adds, rows, read_ended, stamp_ts })
 }
 
 #[cfg(test)]

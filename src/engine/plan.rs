@@ -202,21 +202,66 @@ pub async fn next_bound(seeker: &dyn KeySeeker, lo: Option<&Key>, chunk_rows: u6
 
 /// The first key after `max` (past MAX's own copies), or None when there is
 /// none or it reads back at or below MAX: then the last chunk stays open.
+///
+/// Rows from MAX on are MAX's copies, then the keys after it: the seek goes
+/// 0, 1, 2, 4... rows in until it leaves MAX's copies, then bisects back to
+/// the first row that does, so a doubling that overshoots the end of the
+/// table does not miss the keys just after MAX.
 pub async fn last_bound(seeker: &dyn KeySeeker, max: &Key, shape: &KeysetShape) -> Result<Option<Key>, SourceError> {
-    let mut n = 1u64;
-    loop {
-        let range = KeyRange { lo: Some(max.clone()), hi: None };
-        let Some(b) = seeker.seek(&range, n).await? else { return Ok(None) };
-        let b = truncate_bound(b, shape);
-        if key_cmp(&b, max) == Ordering::Greater && !b.iter().any(SqlValue::is_null) {
-            return Ok(Some(b));
-        }
-        if shape.unique {
-            // Truncated to MAX's microsecond: adr-0028 leaves the last chunk open.
-            return Ok(None);
-        }
-        n = n.saturating_mul(2);
+    enum Found {
+        Repeat,
+        End,
+        After(Key),
     }
+    let range = KeyRange { lo: Some(max.clone()), hi: None };
+    let probe = |n: u64| {
+        let range = &range;
+        async move {
+            Ok::<_, SourceError>(match seeker.seek(range, n).await? {
+                None => Found::End,
+                Some(b) => {
+                    let b = truncate_bound(b, shape);
+                    if key_cmp(&b, max) == Ordering::Greater && !b.iter().any(SqlValue::is_null) {
+                        Found::After(b)
+                    } else {
+                        Found::Repeat
+                    }
+                }
+            })
+        }
+    };
+    let mut repeat_at: Option<u64> = None;
+    let mut n = 0u64;
+    let mut found = loop {
+        match probe(n).await? {
+            Found::Repeat => {
+                if shape.unique && n >= 1 {
+                    // A unique key after MAX truncated to MAX's microsecond: adr-0028 leaves the last chunk open.
+                    return Ok(None);
+                }
+                repeat_at = Some(n);
+                n = if n == 0 { 1 } else { n.saturating_mul(2) };
+            }
+            other => break other,
+        }
+    };
+    if let Some(mut lo) = repeat_at {
+        let mut hi = n;
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            match probe(mid).await? {
+                Found::Repeat => lo = mid,
+                other => {
+                    hi = mid;
+                    found = other;
+                }
+            }
+        }
+    }
+    Ok(match found {
+        Found::After(b) => Some(b),
+        _ => None,
+    })
 }
 
 /// Walks keyset bounds from the start of the key up to `max`: the bounds

@@ -1,0 +1,214 @@
+//! `mssql-cdc bench snapshot`: full versus chunked snapshot throughput of the
+//! same table over rate-limited connections, the per-wave fixed cost, and
+//! peak memory as the table grows tenfold.
+//!
+//! Each measurement runs in a child process of its own (the same binary,
+//! `bench snapshot --child`), so its peak resident set (VmHWM) is its own:
+//! one run with both modes for the throughput figures, then the chunked
+//! mode alone on the table and on a table ten times larger for memory.
+//! The simulator's connections are rate-limited per connection and each
+//! query pays a fixed latency, like a production link; the figures are
+//! therefore about the engine's overheads (chunking, planning, waves,
+//! commits), not about SQLite's speed.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::engine::{self, chunked, Context};
+use crate::error::{StepError, StepResult};
+use crate::sim::{self, Clock, SimConfig, SimDb};
+use crate::source::TableName;
+use crate::workflow::Workflow;
+
+/// What `bench` measures.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum BenchCommand {
+    /// Full vs chunked snapshot of one table over rate-limited connections.
+    Snapshot(SnapshotBenchArgs),
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct SnapshotBenchArgs {
+    /// Rows in the table (the memory check also runs ten times as many).
+    #[arg(long, default_value_t = 200_000)]
+    pub rows: u64,
+    /// Source connections (snapshot.parallelism).
+    #[arg(long, default_value_t = 4)]
+    pub connections: usize,
+    /// Rows per second one connection delivers.
+    #[arg(long, default_value_t = 25_000)]
+    pub rows_per_s: u64,
+    /// Fixed latency of every query, in milliseconds.
+    #[arg(long, default_value_t = 20)]
+    pub latency_ms: u64,
+    /// Rows per chunk (default: rows / 16, so each connection reads four chunks).
+    #[arg(long)]
+    pub chunk_rows: Option<u64>,
+    /// Seconds a wave is sized toward.
+    #[arg(long, default_value_t = 2.0)]
+    pub target_wave_seconds: f64,
+    /// Folder for the runs' databases and tables (a fresh temporary one when omitted).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Internal: run one measurement in this process (`full`, `chunked` or `both`).
+    #[arg(long, hide = true)]
+    pub child: Option<String>,
+}
+
+/// Runs a bench command; returns its JSON.
+pub async fn run(cmd: BenchCommand) -> StepResult<Value> {
+    match cmd {
+        BenchCommand::Snapshot(a) => match a.child.clone() {
+            Some(mode) => child(&a, &mode).await,
+            None => parent(&a).await,
+        },
+    }
+}
+
+async fn parent(a: &SnapshotBenchArgs) -> StepResult<Value> {
+    if a.rows == 0 || a.connections == 0 || a.rows_per_s == 0 {
+        return Err(StepError::Config("--rows, --connections and --rows-per-s must be at least 1".into()));
+    }
+    let tmp = std::env::temp_dir().join(format!("mssql-cdc-bench-{}", std::process::id()));
+    let base = a.dir.clone().unwrap_or_else(|| tmp.clone());
+    let exe = std::env::current_exe().map_err(|e| StepError::Internal(format!("cannot find this program: {e}")))?;
+    let run_child = |rows: u64, mode: &str, dir: PathBuf| -> StepResult<Value> {
+        let chunk_rows = a.chunk_rows.unwrap_or((a.rows / 16).max(1));
+        tracing::info!(rows, mode, "bench run starting");
+        let out = std::process::Command::new(&exe)
+            .args(["bench", "snapshot", "--child", mode])
+            .args(["--rows", &rows.to_string(), "--connections", &a.connections.to_string()])
+            .args(["--rows-per-s", &a.rows_per_s.to_string(), "--latency-ms", &a.latency_ms.to_string()])
+            .args(["--chunk-rows", &chunk_rows.to_string(), "--target-wave-seconds", &a.target_wave_seconds.to_string()])
+            .arg("--dir")
+            .arg(&dir)
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .map_err(|e| StepError::Internal(format!("cannot run the bench child: {e}")))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let last = text.lines().last().unwrap_or("");
+        let v: Value = serde_json::from_str(last).map_err(|e| StepError::Internal(format!("bench child printed no JSON ({e}): {text}")))?;
+        if !out.status.success() {
+            return Err(StepError::Internal(format!("bench child failed: {v}")));
+        }
+        Ok(v)
+    };
+    let both = run_child(a.rows, "both", base.join("both"))?;
+    let mem = run_child(a.rows, "chunked", base.join("mem1"))?;
+    let mem10 = run_child(a.rows * 10, "chunked", base.join("mem10"))?;
+    if a.dir.is_none() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    let full = both["full_rows_per_s"].as_f64().unwrap_or(0.0);
+    let chunked = both["chunked_rows_per_s"].as_f64().unwrap_or(0.0);
+    Ok(json!({
+        "bench": "snapshot",
+        "rows": a.rows,
+        "connections": a.connections,
+        "rows_per_s_per_connection": a.rows_per_s,
+        "latency_ms": a.latency_ms,
+        "chunk_rows": both["chunk_rows"],
+        "chunks": both["chunks"],
+        "waves": both["waves"],
+        "full_seconds": both["full_seconds"],
+        "chunked_seconds": both["chunked_seconds"],
+        "full_rows_per_s": full,
+        "chunked_rows_per_s": chunked,
+        "chunked_over_full": if full > 0.0 { chunked / full } else { 0.0 },
+        "wave_fixed_seconds_median": both["wave_fixed_seconds_median"],
+        "wave_fixed_seconds_max": both["wave_fixed_seconds_max"],
+        "peak_rss_bytes": mem["peak_rss_bytes"],
+        "peak_rss_bytes_10x": mem10["peak_rss_bytes"],
+        "chunked_rows_per_s_10x": mem10["chunked_rows_per_s"],
+    }))
+}
+
+/// The process's peak resident set (Linux VmHWM), in bytes.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+fn write_workflow(path: &Path, name: &str, snapshot: &str) -> StepResult<Workflow> {
+    let text = format!(
+        "app_id = \"bench-{name}\"\n[source]\nurl = \"sim://source.sqlite\"\n[table]\nname = \"orders\"\n\
+         [target]\nbronze = \"{name}/bronze\"\nfacts = \"{name}/facts\"\n[snapshot]\n{snapshot}\n"
+    );
+    std::fs::write(path, text).map_err(|e| StepError::Config(format!("cannot write {}: {e}", path.display())))?;
+    Workflow::load(path)
+}
+
+async fn child(a: &SnapshotBenchArgs, mode: &str) -> StepResult<Value> {
+    let dir = a.dir.clone().ok_or_else(|| StepError::Config("--child needs --dir".into()))?;
+    std::fs::create_dir_all(&dir).map_err(|e| StepError::Config(format!("cannot create {}: {e}", dir.display())))?;
+    let sim_err = |e: sim::SimError| StepError::Internal(format!("simulator: {e}"));
+    let cfg = SimConfig { clock: Clock::Wall, time_zone: "UTC".into(), idle_interval_seconds: 1, ..SimConfig::default() };
+    let db = SimDb::create(&dir.join("source.sqlite"), cfg.clone()).map_err(sim_err)?;
+    let table = TableName::new("dbo", "orders");
+    db.create_table(&sim::orders_table_spec(table.clone())).map_err(sim_err)?;
+    db.load_rows(&table, sim::orders_rows(a.rows, 7)).map_err(sim_err)?;
+    db.enable_cdc(&table, None, None).map_err(sim_err)?;
+    let started = Instant::now();
+    while db.max_lsn().map_err(sim_err)?.is_none() {
+        if started.elapsed() > Duration::from_secs(30) {
+            return Err(StepError::Internal("the simulated capture job recorded no LSN".into()));
+        }
+        db.capture().map_err(sim_err)?;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Rate limits on only now: loading and capture are set-up, not measured.
+    db.set_config(SimConfig { conn_rows_per_s: Some(a.rows_per_s), query_latency_ms: a.latency_ms, ..cfg }).map_err(sim_err)?;
+    let chunk_rows = a.chunk_rows.unwrap_or((a.rows / 16).max(1));
+    let mut out = json!({"rows": a.rows, "chunk_rows": chunk_rows});
+    if mode == "both" || mode == "full" {
+        let wf = write_workflow(&dir.join("full.toml"), "full", &format!("bootstrap = true\nmode = \"full\"\nparallelism = {}", a.connections))?;
+        let t = Instant::now();
+        let mut ctx = Context::open(wf).await?;
+        let r = engine::snapshot::ensure_bootstrap(&mut ctx).await?;
+        let secs = t.elapsed().as_secs_f64();
+        out["full_seconds"] = json!(secs);
+        out["full_rows"] = json!(r.rows);
+        out["full_rows_per_s"] = json!(r.rows as f64 / secs);
+    }
+    if mode == "both" || mode == "chunked" {
+        let wf = write_workflow(
+            &dir.join("chunked.toml"),
+            "chunked",
+            &format!(
+                "bootstrap = true\nmode = \"chunked\"\nparallelism = {}\nchunk_rows = {chunk_rows}\ntarget_wave_seconds = {}",
+                a.connections, a.target_wave_seconds
+            ),
+        )?;
+        let t = Instant::now();
+        let mut ctx = Context::open(wf.clone()).await?;
+        chunked::ensure_bootstrap_open(&mut ctx).await?;
+        let (mut rows, mut waves, mut fixed) = (0i64, 0u32, Vec::new());
+        let mut chunks;
+        loop {
+            let mut ctx = Context::open(wf.clone()).await?;
+            let r = chunked::backfill(&mut ctx, &chunked::BackfillArgs::default()).await?;
+            rows += r.rows;
+            waves += r.waves;
+            chunks = r.chunks_total;
+            fixed.extend(r.wave_fixed_seconds);
+            if r.done {
+                break;
+            }
+        }
+        let secs = t.elapsed().as_secs_f64();
+        fixed.sort_by(|a, b| a.total_cmp(b));
+        out["chunked_seconds"] = json!(secs);
+        out["chunked_rows"] = json!(rows);
+        out["chunked_rows_per_s"] = json!(rows as f64 / secs);
+        out["chunks"] = json!(chunks);
+        out["waves"] = json!(waves);
+        out["wave_fixed_seconds_median"] = json!(fixed.get(fixed.len() / 2));
+        out["wave_fixed_seconds_max"] = json!(fixed.last());
+    }
+    out["peak_rss_bytes"] = json!(peak_rss_bytes());
+    Ok(out)
+}
