@@ -24,6 +24,8 @@ use crate::workflow::Workflow;
 pub enum DemoScenario {
     /// A full bootstrap under a running writer, then micro-batches, then a check.
     Full,
+    /// A Parquet copy exported under the running writer, seeded by its start time, then streamed and checked.
+    Seed,
 }
 
 /// Arguments of `mssql-cdc demo`.
@@ -58,7 +60,7 @@ pub struct Harness {
     pub table: TableName,
     pub workflow_path: PathBuf,
     writer: Option<(std::thread::JoinHandle<Result<sim::WorkloadReport, sim::SimError>>, Arc<AtomicBool>)>,
-    progress: indicatif::ProgressBar,
+    pub progress: indicatif::ProgressBar,
 }
 
 impl Harness {
@@ -165,6 +167,7 @@ fn prepare_dir(dir: &Path) -> StepResult<()> {
 pub async fn run(args: DemoArgs) -> StepResult<(Value, bool)> {
     match args.scenario {
         DemoScenario::Full => full(args).await,
+        DemoScenario::Seed => crate::demo_seed::run(args).await,
     }
 }
 

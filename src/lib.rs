@@ -4,10 +4,12 @@
 pub mod cli;
 pub mod delta;
 pub mod demo;
+pub mod demo_seed;
 pub mod engine;
 pub mod error;
 pub mod lsn;
 pub mod mssql;
+pub mod seed_copy;
 pub mod sim;
 pub mod source;
 pub mod types;

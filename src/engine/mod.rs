@@ -10,6 +10,7 @@
 
 pub mod plan;
 pub mod rebuild;
+pub mod seed;
 pub mod snapshot;
 pub mod state;
 pub mod status;
