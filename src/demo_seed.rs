@@ -37,8 +37,20 @@ pub async fn run(args: DemoArgs) -> StepResult<(Value, bool)> {
         let _ = h.db.capture();
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    // Let the writer change rows before and during the copy.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The copy must be taken under the writer: wait until the capture job has
+    // seen its changes (a writer over a big table takes a while to start),
+    // then let it run a moment longer.
+    let wait_start = Instant::now();
+    while wait_start.elapsed() < Duration::from_secs(60) {
+        let _ = h.db.capture();
+        let status = h.db.status().map_err(sim_err)?;
+        let change_rows = status["tables"][0]["capture_instances"][0]["change_rows"].as_i64().unwrap_or(0);
+        if change_rows >= 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
 
     let copy_dir = dir.join("copy");
     let source = h.db.source()?;
