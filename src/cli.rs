@@ -39,6 +39,23 @@ pub enum Command {
     Backfill(BackfillCli),
     /// Print the stream's state: generation, position, lag, open snapshot, last batch, headroom.
     Status,
+    /// Load an existing copy of the table (a Delta table or a folder of Parquet
+    /// files) into bronze as the stream's snapshot at the copy's point.
+    Seed {
+        /// The copy: a Delta table, or a folder of Parquet files.
+        #[arg(long, value_name = "PATH")]
+        copy: String,
+        /// An LSN recorded before the copy started (0x + 20 hex digits), or the
+        /// time the copy started, with Z or an offset (2026-10-01T16:53:59-03:00).
+        #[arg(long, value_name = "TIME|LSN")]
+        as_of: String,
+        /// Replace the target's snapshot with this newer copy (starts a new stream generation).
+        #[arg(long)]
+        reseed: bool,
+        /// Load captured columns the copy lacks as NULL instead of refusing.
+        #[arg(long)]
+        allow_missing_columns: bool,
+    },
     /// Drive the embedded SQL Server CDC simulator.
     #[command(subcommand)]
     Sim(crate::sim::cli::SimCommand),
@@ -208,6 +225,14 @@ pub async fn run(cli: Cli) -> Result<(Value, i32), StepError> {
         Command::Status => {
             let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;
             Ok((crate::engine::status::run(&mut ctx).await?, EXIT_OK))
+        }
+        Command::Seed { copy, as_of, reseed, allow_missing_columns } => {
+            // The arguments are checked before the workflow's targets are opened.
+            let as_of = crate::engine::seed::AsOf::parse(&as_of)?;
+            let args = crate::engine::seed::SeedArgs { copy, as_of, reseed, allow_missing_columns };
+            let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;
+            let r = crate::engine::seed::run(&mut ctx, &args).await?;
+            Ok((serde_json::to_value(&r).unwrap_or(Value::Null), EXIT_OK))
         }
         Command::Sim(cmd) => {
             let v = tokio::task::spawn_blocking(move || crate::sim::cli::run(cmd))

@@ -27,6 +27,8 @@ pub enum DemoScenario {
     /// A chunked bootstrap: the stream starts at S at once and `backfill`
     /// reads the table in waves beside it, both under the running writer.
     Chunked,
+    /// A Parquet copy exported under the running writer, seeded by its start time, then streamed and checked.
+    Seed,
 }
 
 /// Arguments of `mssql-cdc demo`.
@@ -61,7 +63,7 @@ pub struct Harness {
     pub table: TableName,
     pub workflow_path: PathBuf,
     writer: Option<(std::thread::JoinHandle<Result<sim::WorkloadReport, sim::SimError>>, Arc<AtomicBool>)>,
-    progress: indicatif::ProgressBar,
+    pub progress: indicatif::ProgressBar,
 }
 
 impl Harness {
@@ -234,6 +236,7 @@ pub async fn run(args: DemoArgs) -> StepResult<(Value, bool)> {
     match args.scenario {
         DemoScenario::Full => full(args).await,
         DemoScenario::Chunked => chunked(args).await,
+        DemoScenario::Seed => crate::demo_seed::run(args).await,
     }
 }
 

@@ -11,6 +11,7 @@
 pub mod chunked;
 pub mod plan;
 pub mod rebuild;
+pub mod seed;
 pub mod snapshot;
 pub mod state;
 pub mod status;

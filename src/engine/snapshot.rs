@@ -116,6 +116,12 @@ pub async fn ensure_bootstrap(ctx: &mut Context) -> StepResult<SnapshotResult> {
             return Ok(SnapshotResult { step: "snapshot", snapshot_lsn: s, rows: 0, already_done: true, ranges: 0, duration_ms: 0 });
         }
     }
+    // A later generation (a reseed) started from its own snapshot: generation 0's bootstrap is history.
+    if st.generation > 0 {
+        if let Some(s) = st.snapshot.or(st.position()) {
+            return Ok(SnapshotResult { step: "snapshot", snapshot_lsn: s, rows: 0, already_done: true, ranges: 0, duration_ms: 0 });
+        }
+    }
     let generation = 0;
     let snap_txn = Txn::new(format!("{app}#snapshot"), generation as i64);
     // A crash after the bronze commit: finish from its metadata.

@@ -1,0 +1,721 @@
+//! The `seed` step: a copy of the table someone already has (a Delta table
+//! or Parquet files) becomes the target's snapshot, so a table too big to
+//! snapshot within the CDC retention can still be replicated.
+//!
+//! The copy stands for the table as of a point L: the LSN the caller recorded
+//! before the copy started, or the copy's start time mapped to the largest
+//! commit LSN at or before it on the server's clock ([`mapping_time`]). Every
+//! commit at or before L must be in the copy; later ones may be too, because
+//! the stream replays everything after L and the latest image per key absorbs
+//! the overlap. So every approximation of L goes earlier, never later.
+//!
+//! Effects (each a commit with a txn id, like the bootstrap's):
+//! 1. bronze: the copy's rows as one whole snapshot, operation 0,
+//!    `_start_lsn = _snapshot = L`, `_commit_ts` L's commit time, txn
+//!    `<app>#snapshot` + generation, the seed named in the commit metadata;
+//! 2. facts: the snapshot's completion row, `bootstrap` for generation 0 and
+//!    `resnapshot` for a reseed, txn `<app>#events` + generation. The
+//!    bootstrap's own completion has the same txn key, so a stream with
+//!    `snapshot.bootstrap = true` finds the seed as its snapshot, writes no
+//!    second one, and starts at L.
+//!
+//! Generations: a first seed is generation 0's snapshot. `--reseed` appends a
+//! newer copy as the snapshot of a NEW generation (current + 1): its batches
+//! then run under `<app>.g<n>` from batch id 0 (txn versions only grow, so a
+//! new snapshot cannot reuse the old generation's batch ids), and
+//! `StreamState::derive` picks the generation up from the `resnapshot` row
+//! with no change. Change rows of the old generation after the new L stay in
+//! bronze; the stream writes them again, and the rebuild's latest-per-key rule
+//! gives them the same rank, so the image is unchanged.
+//!
+//! Reruns: before anything else a seed looks for itself. With an LSN, bronze's
+//! whole-snapshot rows at L; with a time, the snapshot at the time's L, or,
+//! once cleanup has removed the time's mapping rows, the newest whole
+//! snapshot committed at or before the time. A crash between the two commits
+//! is finished from the bronze commit's metadata on the next call.
+
+use std::time::Instant;
+
+use chrono::{DateTime, Duration, NaiveDateTime, SubsecRound, Utc};
+use deltalake::arrow::array::{Array, Int64Array, StringArray, TimestampMicrosecondArray};
+use deltalake::arrow::datatypes::Field;
+use futures::StreamExt;
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use super::Context;
+use crate::delta::bronze::{self, SnapshotStamp};
+use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT};
+use crate::delta::{self, Appended, Txn};
+use crate::error::{StepError, StepResult};
+use crate::failpoint;
+use crate::lsn::Lsn;
+use crate::source::{ServerZone, TimeOp};
+
+/// What the copy stands for: an LSN recorded before it started, or its start time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AsOf {
+    Lsn(Lsn),
+    Time(DateTime<Utc>),
+}
+
+impl AsOf {
+    /// Parses `--as-of`: an LSN (`0x` + 20 hex digits) or a time with `Z` or an
+    /// offset (RFC 3339). A time without an offset is refused: read on the
+    /// wrong clock it could map later than the copy, and skip commits.
+    pub fn parse(text: &str) -> StepResult<AsOf> {
+        let t = text.trim();
+        if t.starts_with("0x") || t.starts_with("0X") {
+            return Lsn::parse(t)
+                .map(AsOf::Lsn)
+                .map_err(|e| StepError::Config(format!("--as-of {t} is not an LSN ({e}): write it as 0x followed by 20 hex digits")));
+        }
+        match DateTime::parse_from_rfc3339(t) {
+            Ok(d) => Ok(AsOf::Time(d.with_timezone(&Utc))),
+            Err(e) => {
+                let naive = NaiveDateTime::parse_from_str(t, "%Y-%m-%dT%H:%M:%S%.f").or_else(|_| NaiveDateTime::parse_from_str(t, "%Y-%m-%d %H:%M:%S%.f"));
+                let hint = if naive.is_ok() {
+                    "it has no offset: add Z for UTC or the offset it was read in (e.g. -03:00)".to_string()
+                } else {
+                    format!("{e}")
+                };
+                Err(StepError::Config(format!(
+                    "--as-of {t} is neither an LSN nor a time ({hint}). Pass the LSN recorded before the copy started \
+                     (0x + 20 hex digits) or the copy's start time like 2026-10-01T16:53:59Z"
+                )))
+            }
+        }
+    }
+}
+
+/// The arguments of a seed.
+#[derive(Debug, Clone)]
+pub struct SeedArgs {
+    /// A Delta table or a folder of Parquet files.
+    pub copy: String,
+    pub as_of: AsOf,
+    pub reseed: bool,
+    pub allow_missing_columns: bool,
+}
+
+/// A whole snapshot the target holds (bronze rows, or a completion row in the facts).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WholeSnapshot {
+    pub lsn: Lsn,
+    pub commit_ts: Option<DateTime<Utc>>,
+    pub rows: Option<i64>,
+    /// The generation whose completion row names it, when the facts have one.
+    pub generation: Option<i32>,
+}
+
+/// The JSON result of a `seed` call.
+#[derive(Debug, Clone, Serialize)]
+pub struct SeedResult {
+    pub step: &'static str,
+    pub lsn: Lsn,
+    pub commit_ts: Option<DateTime<Utc>>,
+    pub rows: i64,
+    pub already_seeded: bool,
+    pub generation: i32,
+    pub reseed: bool,
+    pub copy_kind: Option<crate::seed_copy::CopyKind>,
+    pub columns_dropped: Vec<String>,
+    pub columns_null: Vec<String>,
+    pub duration_ms: i64,
+}
+
+/// What a seed call does, decided from what the target and the source hold.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SeedDecision {
+    /// The seed is there already (a rerun): return it, write nothing.
+    AlreadySeeded(WholeSnapshot),
+    /// Append the copy as the snapshot of this generation at L.
+    Write { lsn: Lsn, generation: i32 },
+    /// No commit at or before the time is known to CDC any more (exit 3).
+    NoCommitAtOrBefore,
+    /// The changes right after L are purged (exit 3).
+    Purged { lsn: Lsn, next: Lsn, min_lsn: Lsn },
+    /// L is above the source's max LSN (exit 2).
+    AboveMax { lsn: Lsn, max_lsn: Lsn },
+    /// The capture job has recorded nothing yet (exit 75).
+    NothingCaptured,
+    /// A snapshot is open (exit 2): finish it first.
+    SnapshotOpen(Vec<Lsn>),
+    /// Another snapshot is there and no `--reseed` (exit 2).
+    SnapshotPresent(WholeSnapshot),
+    /// `--reseed` with a copy not newer than the newest snapshot (exit 2).
+    NotNewer { lsn: Lsn, newest: WholeSnapshot },
+    /// The stream already runs without a snapshot and no `--reseed` (exit 2).
+    StartedWithoutSnapshot(Lsn),
+}
+
+/// Everything [`decide`] looks at.
+#[derive(Debug, Clone)]
+pub struct SeedInput {
+    pub as_of: AsOf,
+    /// L: the LSN given, or the time's mapping (None when nothing maps).
+    pub lsn: Option<Lsn>,
+    /// The whole snapshots the target holds.
+    pub snapshots: Vec<WholeSnapshot>,
+    /// Snapshot opens without a completion (full or chunked).
+    pub open_snapshots: Vec<Lsn>,
+    pub generation: i32,
+    /// The stream's position when its generation has no snapshot (a stream start).
+    pub position_without_snapshot: Option<Lsn>,
+    pub min_lsn: Option<Lsn>,
+    pub max_lsn: Option<Lsn>,
+    pub reseed: bool,
+}
+
+/// The seed's rules, as a pure function. Reruns are resolved first, so a
+/// seed already there is returned whatever happened since (cleanup, a newer
+/// snapshot); then the checks that refuse; then the write.
+pub fn decide(input: &SeedInput) -> SeedDecision {
+    let at = |l: Lsn| input.snapshots.iter().find(|s| s.lsn == l).cloned();
+    let lsn = match (input.lsn, &input.as_of) {
+        (Some(l), _) => {
+            if let Some(s) = at(l) {
+                return SeedDecision::AlreadySeeded(s);
+            }
+            l
+        }
+        (None, AsOf::Time(t)) => {
+            // The time no longer maps (cleanup removed its mapping rows, or it
+            // is older than CDC): a seed made from it is the newest snapshot
+            // committed at or before it.
+            if !input.reseed {
+                let seed = input.snapshots.iter().filter(|s| s.commit_ts.is_some_and(|c| c <= *t)).max_by_key(|s| s.lsn);
+                if let Some(s) = seed {
+                    return SeedDecision::AlreadySeeded(s.clone());
+                }
+            }
+            return SeedDecision::NoCommitAtOrBefore;
+        }
+        (None, AsOf::Lsn(l)) => *l,
+    };
+    if !input.open_snapshots.is_empty() {
+        return SeedDecision::SnapshotOpen(input.open_snapshots.clone());
+    }
+    let Some(max) = input.max_lsn else { return SeedDecision::NothingCaptured };
+    if lsn > max {
+        return SeedDecision::AboveMax { lsn, max_lsn: max };
+    }
+    // The stream's retention test: with changes after L to read, the next one must still be held.
+    let next = lsn.increment();
+    if let Some(min) = input.min_lsn {
+        if max > lsn && next < min {
+            return SeedDecision::Purged { lsn, next, min_lsn: min };
+        }
+    }
+    let newest = input.snapshots.iter().max_by_key(|s| s.lsn).cloned();
+    match (newest, input.reseed) {
+        (Some(s), false) => SeedDecision::SnapshotPresent(s),
+        (Some(s), true) if lsn <= s.lsn => SeedDecision::NotNewer { lsn, newest: s },
+        (Some(_), true) => SeedDecision::Write { lsn, generation: input.generation + 1 },
+        (None, _) => match (input.position_without_snapshot, input.reseed) {
+            (Some(p), false) => SeedDecision::StartedWithoutSnapshot(p),
+            (Some(_), true) => SeedDecision::Write { lsn, generation: input.generation + 1 },
+            (None, _) => SeedDecision::Write { lsn, generation: input.generation },
+        },
+    }
+}
+
+/// The server-local time to pass to `fn_cdc_map_time_to_lsn('largest less
+/// than or equal', ...)` for a copy that started at `as_of`. Each adjustment
+/// can only make L earlier (a replay), never later (a skip):
+/// - in a fall-back hour the wall clock repeats, and commits up to an hour
+///   after `as_of` show earlier local times with larger LSNs; so the time
+///   passed is the earlier of `as_of`'s local time and the local time an hour
+///   later less an hour (the same time outside a fall-back, an hour earlier
+///   inside one);
+/// - mapping times are `datetime`, rounded to 1/300 s (up or down by up to
+///   2 ms), so the time steps back past that error and is truncated to the
+///   whole second, which `datetime` holds exactly.
+pub fn mapping_time(zone: &ServerZone, as_of: DateTime<Utc>) -> NaiveDateTime {
+    let own = zone.to_local(as_of);
+    let hour = Duration::hours(1);
+    let hour_later_less_hour = zone.to_local(as_of + hour) - hour;
+    let earlier = own.min(hour_later_less_hour);
+    (earlier - Duration::milliseconds(3)).trunc_subsecs(0)
+}
+
+/// Runs the `seed` step.
+pub async fn run(ctx: &mut Context, args: &SeedArgs) -> StepResult<SeedResult> {
+    let started = Instant::now();
+    let mut facts_rows = super::state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
+    if finish_interrupted_seed(ctx, &facts_rows).await? {
+        facts_rows = super::state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
+    }
+    let st = super::state::load(ctx).await?;
+    let snapshots = whole_snapshots(ctx, &facts_rows).await?;
+    let lsn = match &args.as_of {
+        AsOf::Lsn(l) => Some(*l),
+        AsOf::Time(t) => {
+            let local = mapping_time(&ctx.zone, *t);
+            let l = ctx.source.time_to_lsn(TimeOp::LargestLessThanOrEqual, local).await?;
+            tracing::info!(as_of = %t, server_local = %local, zone = %ctx.zone.name, lsn = ?l, "mapped the copy's start time to an LSN");
+            l
+        }
+    };
+    let max_lsn = ctx.source.max_lsn().await?;
+    let min_lsn = ctx.source.min_lsn(&ctx.instance.name).await?;
+    let input = SeedInput {
+        as_of: args.as_of.clone(),
+        lsn,
+        snapshots,
+        open_snapshots: st.open_snapshots.clone(),
+        generation: st.generation,
+        position_without_snapshot: if st.snapshot.is_none() { st.position() } else { None },
+        min_lsn,
+        max_lsn,
+        reseed: args.reseed,
+    };
+    let decision = decide(&input);
+    let (lsn, generation) = match decision {
+        SeedDecision::Write { lsn, generation } => (lsn, generation),
+        SeedDecision::AlreadySeeded(s) => {
+            tracing::info!(lsn = %s.lsn, "the target already holds this seed: nothing to write");
+            return Ok(SeedResult {
+                step: "seed",
+                lsn: s.lsn,
+                commit_ts: s.commit_ts,
+                rows: s.rows.unwrap_or(0),
+                already_seeded: true,
+                generation: s.generation.unwrap_or(st.generation),
+                reseed: args.reseed,
+                copy_kind: None,
+                columns_dropped: vec![],
+                columns_null: vec![],
+                duration_ms: started.elapsed().as_millis() as i64,
+            });
+        }
+        refused => return Err(refusal(ctx, &args.as_of, refused).await),
+    };
+    let commit_ts = ctx.commit_time(lsn).await?.ok_or_else(|| {
+        StepError::Config(format!(
+            "--as-of {lsn} is not a commit LSN the source maps to a time (cdc.lsn_time_mapping has no row for it): pass the value \
+             sys.fn_cdc_get_max_lsn() returned before the copy started, or the copy's start time"
+        ))
+    })?;
+
+    // The copy: its columns are fitted from its schema before anything is written.
+    let copy = crate::seed_copy::open(&args.copy, &ctx.storage).await?;
+    let bronze_schema = ctx.bronze_schema()?;
+    let captured: Vec<Field> = ctx
+        .instance
+        .columns
+        .iter()
+        .map(|c| bronze_schema.fields().iter().find(|f| f.name().eq_ignore_ascii_case(&c.name)).map(|f| f.as_ref().clone()).unwrap_or_else(|| c.arrow_field()))
+        .collect();
+    let plan = crate::seed_copy::plan_columns(copy.stream.schema().as_ref(), &captured, args.allow_missing_columns)?;
+    if !plan.dropped.is_empty() {
+        tracing::info!(columns = ?plan.dropped, "copy columns the capture instance does not capture are dropped");
+    }
+    if !plan.missing.is_empty() {
+        tracing::warn!(columns = ?plan.missing, "captured columns the copy lacks are loaded as NULL (--allow-missing-columns)");
+    }
+    tracing::info!(lsn = %lsn, commit_ts = %commit_ts, generation, copy = %args.copy, "seeding bronze from the copy");
+
+    let stamp = SnapshotStamp { snapshot: lsn, start_lsn: lsn, commit_ts: Some(commit_ts), capture_instance: ctx.instance.name.clone(), chunk: None };
+    let counted = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(0));
+    let c2 = counted.clone();
+    let label = args.copy.clone();
+    let schema_for_rows = bronze_schema.clone();
+    let plan_for_rows = plan.clone();
+    let rows_stream = copy.stream.map(move |b| {
+        let b = b.map_err(|e| StepError::Temporary(format!("reading the copy {label}: {e}")))?;
+        let fitted = plan_for_rows.apply(&b)?;
+        let out = bronze::from_snapshot(&fitted, &schema_for_rows, &stamp)?;
+        c2.fetch_add(out.num_rows() as i64, std::sync::atomic::Ordering::Relaxed);
+        Ok(out)
+    });
+    let snap_txn = Txn::new(format!("{}#snapshot", ctx.workflow.app_id), generation as i64);
+    let meta = json!({
+        "kind": "seed",
+        "seed": ctx.instance.name,
+        "lsn": lsn,
+        "commit_ts": commit_ts,
+        "snapshot_lsn": lsn,
+        "generation": generation,
+        "reseed": args.reseed,
+        "capture_instance": ctx.instance.name,
+    });
+    let counted_meta = counted.clone();
+    let appended = delta::append_idempotent_with(&mut ctx.bronze, rows_stream, bronze_schema, &snap_txn, move || {
+        let mut m = meta.clone();
+        m["rows"] = json!(counted_meta.load(std::sync::atomic::Ordering::Relaxed));
+        m
+    })
+    .await?;
+    let rows = counted.load(std::sync::atomic::Ordering::Relaxed);
+    let bronze_version = match appended {
+        Appended::Committed { table_version } => table_version,
+        Appended::Empty => {
+            return Err(StepError::Config(format!(
+                "the copy {} holds no rows: nothing was written. Check the path; an empty table needs no seed (use snapshot.bootstrap)",
+                args.copy
+            )))
+        }
+        Appended::AlreadyApplied { .. } => {
+            return Err(StepError::Temporary("another run committed a snapshot of this generation meanwhile: call seed again".into()))
+        }
+    };
+    failpoint!("seed.after_bronze");
+    let duration_ms = started.elapsed().as_millis() as i64;
+    let detail = json!({"mode": "seed", "reseed": args.reseed, "copy": args.copy, "copy_kind": copy.kind, "as_of": as_of_text(&args.as_of),
+                        "columns_dropped": plan.dropped, "columns_null": plan.missing});
+    write_completion(ctx, generation, lsn, rows, Some(commit_ts), Some(bronze_version), Some(duration_ms), detail).await?;
+    tracing::info!(lsn = %lsn, rows, duration_ms, generation, "seed complete");
+    Ok(SeedResult {
+        step: "seed",
+        lsn,
+        commit_ts: Some(commit_ts),
+        rows,
+        already_seeded: false,
+        generation,
+        reseed: args.reseed,
+        copy_kind: Some(copy.kind),
+        columns_dropped: plan.dropped,
+        columns_null: plan.missing,
+        duration_ms,
+    })
+}
+
+fn as_of_text(a: &AsOf) -> String {
+    match a {
+        AsOf::Lsn(l) => l.to_hex(),
+        AsOf::Time(t) => t.to_rfc3339(),
+    }
+}
+
+/// The error for a refusal, saying what to do.
+async fn refusal(ctx: &Context, as_of: &AsOf, d: SeedDecision) -> StepError {
+    let wf = ctx.workflow.path.display();
+    match d {
+        SeedDecision::NoCommitAtOrBefore => {
+            let t = as_of_text(as_of);
+            let min = ctx.source.min_lsn(&ctx.instance.name).await.ok().flatten();
+            let min_t = match min {
+                Some(m) => ctx.commit_time(m).await.ok().flatten().map(|t| format!(" (the oldest change it holds was committed at {t})")).unwrap_or_default(),
+                None => String::new(),
+            };
+            StepError::NeedsPerson(format!(
+                "data loss: the copy started at {t}, but CDC holds no commit at or before that time{min_t}: the changes between the copy and \
+                 what CDC still holds are gone, so this copy cannot be completed by the stream. Take a newer copy (record \
+                 sys.fn_cdc_get_max_lsn() or the time before it starts) and seed from it"
+            ))
+        }
+        SeedDecision::Purged { lsn, next, min_lsn } => StepError::DataLoss {
+            capture_instance: ctx.instance.name.clone(),
+            position: lsn,
+            next,
+            min_lsn,
+            times: String::new(),
+            advice: "The copy is older than the CDC retention: take a newer copy and seed from it (with --reseed if the target has a snapshot), \
+                     or raise the retention (sys.sp_cdc_change_job @retention) for the next one."
+                .into(),
+        },
+        SeedDecision::AboveMax { lsn, max_lsn } => StepError::Config(format!(
+            "--as-of {lsn} is above the source's max LSN {max_lsn}: an LSN recorded before the copy cannot be newer than what the \
+             capture job has seen. Check that the LSN comes from this database"
+        )),
+        SeedDecision::NothingCaptured => {
+            StepError::Temporary("the capture job has not recorded any LSN yet (max LSN is NULL): call seed again once it has run".into())
+        }
+        SeedDecision::SnapshotOpen(open) => StepError::Config(format!(
+            "a snapshot of this stream is open (started at {}) and not complete: finish it first (`mssql-cdc --workflow {wf} snapshot` \
+             completes a full one; a chunked one completes as `stream` calls read its chunks), then seed with --reseed if the copy is \
+             newer",
+            open.iter().map(|l| l.to_hex()).collect::<Vec<_>>().join(", ")
+        )),
+        SeedDecision::SnapshotPresent(s) => StepError::Config(format!(
+            "the target already holds a snapshot at {}{}: a second seed would move the point downstream rebuilds start from. \
+             A rerun with that snapshot's --as-of returns it; to replace it with this newer copy pass --reseed (it starts a new \
+             stream generation from the copy)",
+            s.lsn,
+            s.commit_ts.map(|t| format!(" (committed {t})")).unwrap_or_default()
+        )),
+        SeedDecision::NotNewer { lsn, newest } => StepError::Config(format!(
+            "--reseed needs a copy newer than the target's newest snapshot {}, but this copy stands at {lsn}: a reseed never goes \
+             back. Take a newer copy",
+            newest.lsn
+        )),
+        SeedDecision::StartedWithoutSnapshot(p) => StepError::Config(format!(
+            "the stream already runs without a snapshot (position {p}): seeding its generation now would leave a gap. Pass --reseed \
+             to start a new generation from the copy"
+        )),
+        SeedDecision::Write { .. } | SeedDecision::AlreadySeeded(_) => StepError::Internal("refusal of a decision that is not one".into()),
+    }
+}
+
+/// The whole snapshots the target holds: bronze's operation-0 rows outside
+/// chunks, grouped by snapshot (one aggregate over them: a table of billions
+/// of seeded rows pays a scan of three columns here), joined with the facts'
+/// completion rows (which also name snapshots that wrote no rows).
+async fn whole_snapshots(ctx: &Context, facts_rows: &[FactRow]) -> StepResult<Vec<WholeSnapshot>> {
+    let sql = format!(
+        "SELECT coalesce({snap}, {start}) AS s, min({ts}) AS ts, count(*) AS n FROM t WHERE {op} = 0 AND {chunk} IS NULL GROUP BY coalesce({snap}, {start})",
+        snap = bronze::SNAPSHOT,
+        start = bronze::START_LSN,
+        ts = bronze::COMMIT_TS,
+        op = bronze::OPERATION,
+        chunk = bronze::CHUNK
+    );
+    let batches = delta::query(&ctx.bronze, &sql).await?;
+    let mut out: Vec<WholeSnapshot> = Vec::new();
+    for b in &batches {
+        let s = b.column(0).as_any().downcast_ref::<StringArray>().ok_or_else(|| StepError::Internal("snapshot LSN column".into()))?;
+        let ts = b.column(1).as_any().downcast_ref::<TimestampMicrosecondArray>().ok_or_else(|| StepError::Internal("snapshot time column".into()))?;
+        let n = b.column(2).as_any().downcast_ref::<Int64Array>().ok_or_else(|| StepError::Internal("snapshot count column".into()))?;
+        for i in 0..b.num_rows() {
+            if s.is_null(i) {
+                continue;
+            }
+            let lsn = Lsn::parse(s.value(i)).map_err(|e| StepError::Internal(format!("bronze holds a bad snapshot LSN: {e}")))?;
+            out.push(WholeSnapshot {
+                lsn,
+                commit_ts: if ts.is_null(i) { None } else { DateTime::from_timestamp_micros(ts.value(i)) },
+                rows: Some(n.value(i)),
+                generation: None,
+            });
+        }
+    }
+    for r in facts_rows.iter().filter(|r| is_completion(r)) {
+        let Some(l) = r.max_lsn else { continue };
+        match out.iter_mut().find(|s| s.lsn == l) {
+            Some(s) => {
+                s.generation = Some(r.generation);
+                s.commit_ts = s.commit_ts.or(r.commit_ts);
+            }
+            None => out.push(WholeSnapshot { lsn: l, commit_ts: r.commit_ts, rows: r.rows, generation: Some(r.generation) }),
+        }
+    }
+    out.sort_by_key(|s| s.lsn);
+    Ok(out)
+}
+
+fn is_completion(r: &FactRow) -> bool {
+    matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT))
+}
+
+/// A seed that crashed between its bronze commit and its facts row: bronze
+/// holds `<app>#snapshot` at a generation the facts have no completion for,
+/// and that commit is a seed's. Writes the row from the commit's metadata.
+async fn finish_interrupted_seed(ctx: &mut Context, facts_rows: &[FactRow]) -> StepResult<bool> {
+    let snap_app = format!("{}#snapshot", ctx.workflow.app_id);
+    let Some(version) = delta::txn_version(&ctx.bronze, &snap_app).await? else { return Ok(false) };
+    let generation = version as i32;
+    if facts_rows.iter().any(|r| r.generation == generation && is_completion(r)) {
+        return Ok(false);
+    }
+    // Other snapshots' interrupted completions are their own step's to finish.
+    let Some((bronze_version, meta)) = delta::find_txn_commit(&ctx.bronze, &Txn::new(snap_app, version)).await? else { return Ok(false) };
+    if meta.get("kind").and_then(Value::as_str) != Some("seed") {
+        return Ok(false);
+    }
+    let lsn = meta.get("snapshot_lsn").and_then(Value::as_str).and_then(|s| Lsn::parse(s).ok()).ok_or_else(|| {
+        StepError::Internal(format!("bronze commit {bronze_version} is a seed without its LSN in the metadata"))
+    })?;
+    let rows = meta.get("rows").and_then(Value::as_i64).unwrap_or(0);
+    let commit_ts = meta.get("commit_ts").and_then(Value::as_str).and_then(|t| DateTime::parse_from_rfc3339(t).ok()).map(|t| t.with_timezone(&Utc));
+    tracing::warn!(lsn = %lsn, generation, "bronze holds a seed without its facts row (a crash between the two commits): writing it now");
+    let detail = json!({"mode": "seed", "repaired": true, "reseed": meta.get("reseed")});
+    write_completion(ctx, generation, lsn, rows, commit_ts, Some(bronze_version), None, detail).await?;
+    Ok(true)
+}
+
+/// Writes the seed's completion row: `bootstrap` for generation 0 (the
+/// bootstrap's own txn key, so the bootstrap finds it done), `resnapshot` for
+/// a reseed's new generation.
+#[allow(clippy::too_many_arguments)]
+async fn write_completion(
+    ctx: &mut Context,
+    generation: i32,
+    lsn: Lsn,
+    rows: i64,
+    commit_ts: Option<DateTime<Utc>>,
+    bronze_version: Option<i64>,
+    duration_ms: Option<i64>,
+    detail: Value,
+) -> StepResult<()> {
+    let row = FactRow {
+        app_id: ctx.workflow.app_id.clone(),
+        table: ctx.workflow.table_name().to_string(),
+        target: ctx.workflow.target.bronze.clone(),
+        generation,
+        event: Some(if generation == 0 { EVENT_BOOTSTRAP } else { EVENT_RESNAPSHOT }.into()),
+        capture_instance: Some(ctx.instance.name.clone()),
+        min_lsn: Some(lsn),
+        max_lsn: Some(lsn),
+        rows: Some(rows),
+        duration_ms,
+        commit_ts,
+        bronze_version,
+        detail: Some(detail),
+        recorded_at: Some(Utc::now()),
+        ..Default::default()
+    };
+    let txn = Txn::new(format!("{}#events", ctx.workflow.app_id), generation as i64);
+    super::stream::append_facts(ctx, vec![row], &txn).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::ZoneKind;
+    use chrono::TimeZone;
+
+    fn l(n: u128) -> Lsn {
+        Lsn::from_u128(n)
+    }
+
+    fn t(h: u32, m: u32) -> DateTime<Utc> {
+        Utc.with_ymd_and_hms(2026, 11, 1, h, m, 0).unwrap()
+    }
+
+    fn snap(n: u128, at: DateTime<Utc>) -> WholeSnapshot {
+        WholeSnapshot { lsn: l(n), commit_ts: Some(at), rows: Some(10), generation: Some(0) }
+    }
+
+    fn input(as_of: AsOf, lsn: Option<Lsn>) -> SeedInput {
+        SeedInput {
+            as_of,
+            lsn,
+            snapshots: vec![],
+            open_snapshots: vec![],
+            generation: 0,
+            position_without_snapshot: None,
+            min_lsn: Some(l(10)),
+            max_lsn: Some(l(100)),
+            reseed: false,
+        }
+    }
+
+    #[test]
+    fn first_seed_writes_generation_zero() {
+        assert_eq!(decide(&input(AsOf::Lsn(l(50)), Some(l(50)))), SeedDecision::Write { lsn: l(50), generation: 0 });
+        // L at max LSN: nothing after it to read, nothing purged.
+        assert_eq!(decide(&input(AsOf::Lsn(l(100)), Some(l(100)))), SeedDecision::Write { lsn: l(100), generation: 0 });
+    }
+
+    #[test]
+    fn reruns_are_found_first_even_after_cleanup_and_under_a_newer_snapshot() {
+        let mut i = input(AsOf::Time(t(5, 0)), None);
+        i.snapshots = vec![snap(40, t(4, 59)), snap(80, t(6, 0))];
+        i.min_lsn = Some(l(90)); // cleanup passed L: the time no longer maps
+        assert_eq!(decide(&i), SeedDecision::AlreadySeeded(snap(40, t(4, 59))));
+        let mut i = input(AsOf::Lsn(l(40)), Some(l(40)));
+        i.snapshots = vec![snap(40, t(4, 59)), snap(80, t(6, 0))];
+        i.min_lsn = Some(l(90));
+        assert_eq!(decide(&i), SeedDecision::AlreadySeeded(snap(40, t(4, 59))));
+        // A snapshot open does not hide the rerun either.
+        i.open_snapshots = vec![l(95)];
+        assert_eq!(decide(&i), SeedDecision::AlreadySeeded(snap(40, t(4, 59))));
+    }
+
+    #[test]
+    fn a_time_that_maps_nowhere_is_data_loss_without_a_seed_before_it() {
+        let mut i = input(AsOf::Time(t(5, 0)), None);
+        assert_eq!(decide(&i), SeedDecision::NoCommitAtOrBefore);
+        i.snapshots = vec![snap(80, t(6, 0))];
+        assert_eq!(decide(&i), SeedDecision::NoCommitAtOrBefore, "a later snapshot is not this seed");
+        i.snapshots = vec![snap(40, t(4, 0))];
+        i.reseed = true;
+        assert_eq!(decide(&i), SeedDecision::NoCommitAtOrBefore, "a reseed never resolves to an existing snapshot");
+    }
+
+    #[test]
+    fn refusals() {
+        let i = input(AsOf::Lsn(l(101)), Some(l(101)));
+        assert_eq!(decide(&i), SeedDecision::AboveMax { lsn: l(101), max_lsn: l(100) });
+        let i = input(AsOf::Lsn(l(8)), Some(l(8)));
+        assert_eq!(decide(&i), SeedDecision::Purged { lsn: l(8), next: l(9), min_lsn: l(10) });
+        // increment(L) == min LSN: still held.
+        assert_eq!(decide(&input(AsOf::Lsn(l(9)), Some(l(9)))), SeedDecision::Write { lsn: l(9), generation: 0 });
+        let mut i = input(AsOf::Lsn(l(8)), Some(l(8)));
+        i.max_lsn = None;
+        assert_eq!(decide(&i), SeedDecision::NothingCaptured);
+        let mut i = input(AsOf::Lsn(l(50)), Some(l(50)));
+        i.open_snapshots = vec![l(45)];
+        assert_eq!(decide(&i), SeedDecision::SnapshotOpen(vec![l(45)]));
+        let mut i = input(AsOf::Lsn(l(50)), Some(l(50)));
+        i.snapshots = vec![snap(30, t(4, 0))];
+        assert_eq!(decide(&i), SeedDecision::SnapshotPresent(snap(30, t(4, 0))));
+        let mut i = input(AsOf::Lsn(l(50)), Some(l(50)));
+        i.position_without_snapshot = Some(l(60));
+        assert_eq!(decide(&i), SeedDecision::StartedWithoutSnapshot(l(60)));
+    }
+
+    #[test]
+    fn reseed_starts_a_new_generation_and_never_goes_back() {
+        let mut i = input(AsOf::Lsn(l(50)), Some(l(50)));
+        i.snapshots = vec![snap(30, t(4, 0))];
+        i.generation = 2;
+        i.reseed = true;
+        assert_eq!(decide(&i), SeedDecision::Write { lsn: l(50), generation: 3 });
+        let mut i = input(AsOf::Lsn(l(20)), Some(l(20)));
+        i.snapshots = vec![snap(30, t(4, 0))];
+        i.reseed = true;
+        assert_eq!(decide(&i), SeedDecision::NotNewer { lsn: l(20), newest: snap(30, t(4, 0)) });
+        let mut i = input(AsOf::Lsn(l(50)), Some(l(50)));
+        i.position_without_snapshot = Some(l(60));
+        i.reseed = true;
+        assert_eq!(decide(&i), SeedDecision::Write { lsn: l(50), generation: 1 });
+    }
+
+    fn zone(name: &str) -> ServerZone {
+        let tz: chrono_tz::Tz = name.parse().unwrap();
+        ServerZone { name: name.into(), kind: ZoneKind::Named(tz) }
+    }
+
+    fn local(s: &str) -> NaiveDateTime {
+        NaiveDateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S").unwrap()
+    }
+
+    #[test]
+    fn mapping_time_in_a_named_zone_across_a_fall_back() {
+        // Eastern Standard Time as SQL Server names it: 2026-11-01 02:00 EDT falls back to 01:00 EST.
+        let iana = crate::mssql::windows_zones::windows_to_iana("Eastern Standard Time").unwrap();
+        let z = zone(iana);
+        // Before the change: its own local time, less the rounding margin.
+        assert_eq!(mapping_time(&z, t(4, 30)), local("2026-11-01 00:29:59"));
+        // In the first 01:30 (EDT, 05:30Z): an hour earlier, since commits of the
+        // repeated hour up to 06:30Z show local times at or before 01:30.
+        assert_eq!(mapping_time(&z, t(5, 30)), local("2026-11-01 00:29:59"));
+        // In the second 01:30 (EST, 06:30Z): its own local time.
+        assert_eq!(mapping_time(&z, t(6, 30)), local("2026-11-01 01:29:59"));
+        // After the change.
+        assert_eq!(mapping_time(&z, t(8, 0)), local("2026-11-01 02:59:59"));
+        // Spring forward (2026-03-08 02:00 EST -> 03:00 EDT) only moves the clock on.
+        let before = Utc.with_ymd_and_hms(2026, 3, 8, 6, 30, 0).unwrap();
+        assert_eq!(mapping_time(&z, before), local("2026-03-08 01:29:59"));
+        let after = Utc.with_ymd_and_hms(2026, 3, 8, 7, 30, 0).unwrap();
+        assert_eq!(mapping_time(&z, after), local("2026-03-08 03:29:59"));
+    }
+
+    #[test]
+    fn mapping_time_with_a_fixed_offset_and_datetime_rounding() {
+        // A server before 2022: a fixed offset, no DST.
+        let z = ServerZone { name: "UTC-03:00".into(), kind: ZoneKind::Fixed(-3 * 3600) };
+        let at = Utc.with_ymd_and_hms(2026, 10, 1, 19, 53, 59).unwrap() + Duration::milliseconds(999);
+        // datetime would round .999 up to the next second; the mapping never goes later.
+        assert_eq!(mapping_time(&z, at), local("2026-10-01 16:53:59"));
+        // Within the rounding error of a whole second, it steps back a second.
+        let at = Utc.with_ymd_and_hms(2026, 10, 1, 19, 54, 0).unwrap() + Duration::milliseconds(1);
+        assert_eq!(mapping_time(&z, at), local("2026-10-01 16:53:59"));
+        let at = Utc.with_ymd_and_hms(2026, 10, 1, 19, 54, 0).unwrap() + Duration::milliseconds(5);
+        assert_eq!(mapping_time(&z, at), local("2026-10-01 16:54:00"));
+    }
+
+    #[test]
+    fn as_of_parsing() {
+        assert_eq!(AsOf::parse("0x0000002a000001f00003").unwrap(), AsOf::Lsn(Lsn::parse("0x0000002a000001f00003").unwrap()));
+        assert_eq!(AsOf::parse("2026-10-01T16:53:59-03:00").unwrap(), AsOf::Time(Utc.with_ymd_and_hms(2026, 10, 1, 19, 53, 59).unwrap()));
+        assert_eq!(AsOf::parse("2026-10-01T19:53:59Z").unwrap(), AsOf::Time(Utc.with_ymd_and_hms(2026, 10, 1, 19, 53, 59).unwrap()));
+        let e = AsOf::parse("2026-10-01T16:53:59").unwrap_err().to_string();
+        assert!(e.contains("no offset"), "{e}");
+        assert!(AsOf::parse("yesterday").is_err());
+        assert!(AsOf::parse("0x12").is_err());
+    }
+}
