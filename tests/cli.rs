@@ -142,3 +142,39 @@ fn purged_range_exits_3_naming_the_gap() {
     let msg = j["error"].as_str().unwrap();
     assert!(msg.contains("data loss") && msg.contains("0x"), "{msg}");
 }
+
+#[test]
+fn backfill_through_the_cli_until_done_and_its_bad_flags() {
+    let s = Scenario::new(40, "[snapshot]\nbootstrap = true\nmode = \"chunked\"\nparallelism = 2\nchunk_rows = 10\n");
+    let wf = s.wf_path.to_str().unwrap();
+    for (flag, value) in [("--chunk-rows", "0"), ("--max-waves", "0"), ("--max-seconds", "-1"), ("--isolation", "nolock")] {
+        let out = run(&["--workflow", wf, "backfill", flag, value]);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {}", last_json(&out));
+        nothing_written(&s);
+    }
+    // SNAPSHOT isolation where the database does not allow it: refused, exit 2.
+    let out = run(&["--workflow", wf, "backfill", "--isolation", "snapshot"]);
+    assert_eq!(out.status.code(), Some(2), "{}", last_json(&out));
+    assert!(last_json(&out)["error"].as_str().unwrap().to_lowercase().contains("snapshot"));
+    let mut calls = 0;
+    loop {
+        let out = run(&["--workflow", wf, "backfill", "--max-waves", "1"]);
+        let j = last_json(&out);
+        assert_eq!(out.status.code(), Some(0), "{j}");
+        for k in ["snapshot", "chunks_done", "chunks_total", "done", "paused", "reason"] {
+            assert!(j.get(k).is_some(), "{k} missing from {j}");
+        }
+        calls += 1;
+        if j["done"] == true {
+            assert_eq!(j["chunks_done"], j["chunks_total"]);
+            break;
+        }
+        assert!(calls < 20);
+    }
+    assert!(calls >= 2, "one wave a call: several calls");
+    // Headroom pause: exit 75, paused in the JSON.
+    let s2 = Scenario::new(20, "[snapshot]\nbootstrap = true\nmode = \"chunked\"\n");
+    let out = run(&["--workflow", s2.wf_path.to_str().unwrap(), "backfill", "--min-headroom-hours", "1000"]);
+    assert_eq!(out.status.code(), Some(75), "{}", last_json(&out));
+    assert_eq!(last_json(&out)["paused"], true);
+}

@@ -248,7 +248,7 @@ pub struct Progress {
     /// chunk -> rows, of every chunk a facts row records.
     pub done: BTreeMap<i64, i64>,
     pub last_wave: Option<i64>,
-    /// The pace of the newest wave: its read time per round, in seconds.
+    /// The pace of the newest wave: its slowest chunk's read, in seconds.
     pub pace_round_seconds: Option<f64>,
     pub waves: BTreeSet<i64>,
 }
@@ -267,9 +267,13 @@ pub fn progress(rows: &[FactRow], s: Lsn) -> Progress {
         p.done.insert(chunk, r.rows.unwrap_or(0));
         p.waves.insert(wave);
         p.last_wave = p.last_wave.max(Some(wave));
-        if let (Some(ms), Some(rounds)) = (r.duration_ms, d.get("rounds").and_then(Value::as_u64)) {
-            if newest.is_none_or(|(w, _)| wave > w) {
-                newest = Some((wave, ms as f64 / 1000.0 / rounds.max(1) as f64));
+        // A round's pace is its slowest chunk's read: each connection reads one chunk a round.
+        if let Some(ms) = r.duration_ms {
+            let secs = ms as f64 / 1000.0;
+            match newest {
+                Some((w, best)) if w == wave => newest = Some((w, best.max(secs))),
+                Some((w, _)) if w > wave => {}
+                _ => newest = Some((wave, secs)),
             }
         }
     }
@@ -956,109 +960,119 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         return Ok(result);
     }
 
-    // The waves.
-    let mut pending: VecDeque<PlannedChunk> = plan.chunks.iter().filter(|c| !sink.done.contains(&c.chunk)).cloned().collect();
-    let mut next_wave = [bv, pv, fv, prog.last_wave].into_iter().flatten().max().map(|w| w + 1).unwrap_or(0);
+    // The waves. A pool of `parallelism` readers lives for the whole call and
+    // pulls chunks from one queue; when the queue runs dry the reader that
+    // found it empty stamps the next wave and queues its chunks, so no
+    // connection waits for a wave's slowest chunk. Each chunk is written to
+    // its own data files as it is read. This task commits the waves, in order,
+    // as each one's chunks are all in: the reads go on meanwhile.
+    let pending: VecDeque<PlannedChunk> = plan.chunks.iter().filter(|c| !sink.done.contains(&c.chunk)).cloned().collect();
+    let first_wave = [bv, pv, fv, prog.last_wave].into_iter().flatten().max().map(|w| w + 1).unwrap_or(0);
     let parallelism = ctx.workflow.snapshot.parallelism.max(1);
-    let target = args.target_wave_seconds.unwrap_or(ctx.workflow.snapshot.target_wave_seconds);
-    let min_headroom_hours = args.min_headroom_hours.or(ctx.workflow.snapshot.min_headroom_hours);
-    let deadline = args.max_seconds.map(|s| started + Duration::from_secs_f64(s.max(0.0)));
-    let mut pace = prog.pace_round_seconds;
     let shape = keyset_shape(ctx, &plan.keys);
-    let adapter = SourceKeys { source: ctx.source.clone(), table: ctx.workflow.table_name(), keys: plan.keys.clone(), isolation };
-    let last_chunk = plan.chunks.len() as i64 - 1;
-    let mut inflight: Option<tokio::task::JoinHandle<(Sink, StepResult<WaveCommitted>)>> = None;
-    let mut sink_slot = Some(sink);
-    let mut stop_reason: Option<String> = None;
+    let coordinator = Arc::new(Mutex::new(Coordinator {
+        pending,
+        queue: VecDeque::new(),
+        next_wave: first_wave,
+        waves_started: 0,
+        stop_reason: None,
+        paused: false,
+        failed: false,
+        pace_round_seconds: prog.pace_round_seconds,
+        max_waves: args.max_waves,
+        deadline: args.max_seconds.map(|s| started + Duration::from_secs_f64(s.max(0.0))),
+        min_headroom_hours: args.min_headroom_hours.or(ctx.workflow.snapshot.min_headroom_hours),
+        target_wave_seconds: args.target_wave_seconds.unwrap_or(ctx.workflow.snapshot.target_wave_seconds),
+        parallelism,
+        open_end: plan.open_end,
+        last_chunk: plan.chunks.len() as i64 - 1,
+        max_key: open_payload.max.clone(),
+        keys: SourceKeys { source: ctx.source.clone(), table: ctx.workflow.table_name(), keys: plan.keys.clone(), isolation },
+        shape,
+        facts: ctx.facts.clone(),
+        app: app.clone(),
+        generation: o.generation,
+        zone: ctx.zone.clone(),
+        s: o.s,
+    }));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<ReadEvent>();
+    let reader = ChunkReader {
+        source: ctx.source.clone(),
+        bronze: ctx.bronze.clone(),
+        schema: ctx.bronze_schema()?,
+        base: SnapshotRead {
+            table: ctx.workflow.table_name(),
+            columns: ctx.instance.columns.clone(),
+            keys: plan.keys.clone(),
+            range: KeyRange::all(),
+            isolation,
+            batch_rows: ctx.workflow.snapshot.batch_rows,
+        },
+        capture_instance: ctx.instance.name.clone(),
+        s: o.s,
+    };
+    let mut readers = Vec::with_capacity(parallelism);
+    for _ in 0..parallelism {
+        let (coordinator, tx, reader) = (coordinator.clone(), tx.clone(), reader.clone());
+        readers.push(tokio::spawn(async move { reader.run(coordinator, tx).await }));
+    }
+    drop(tx);
+    let mut waves: BTreeMap<i64, WaveAcc> = BTreeMap::new();
+    let mut next_commit = first_wave;
     let mut failure: Option<StepError> = None;
-    let mut waves_started = 0u32;
-    loop {
-        if pending.is_empty() {
-            break;
-        }
-        if args.max_waves.is_some_and(|m| waves_started >= m) {
-            stop_reason = Some(format!("max_waves ({}) reached", waves_started));
-            break;
-        }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            stop_reason = Some("max_seconds reached".into());
-            break;
-        }
-        if let Some(h) = min_headroom_hours {
-            let headroom = newest_headroom(&ctx.facts, &app, o.generation).await?;
-            if headroom.is_none_or(|s| s < h * 3600.0) {
-                result.paused = true;
-                stop_reason = Some(match headroom {
-                    Some(s) => format!(
-                        "paused: the stream's retention headroom is {:.2} h, below min_headroom_hours {h}; call again once the stream has caught up",
-                        s / 3600.0
-                    ),
-                    None => format!("paused: the stream has no batch with a headroom yet (min_headroom_hours {h}); run the stream step first"),
-                });
-                break;
+    while let Some(event) = rx.recv().await {
+        match event {
+            ReadEvent::WaveStarted { wave, chunks, stamp, stamp_ts, rounds, at } => {
+                waves.insert(wave, WaveAcc { expected: chunks, stamp, stamp_ts, rounds, started: at, chunks: Vec::new(), adds: Vec::new(), rows: 0, ended: at });
+            }
+            ReadEvent::ChunkRead { wave, chunk, rows, read_ms, adds, ended } => {
+                if let Some(acc) = waves.get_mut(&wave) {
+                    acc.rows += rows;
+                    acc.adds.extend(adds);
+                    acc.ended = acc.ended.max(ended);
+                    acc.chunks.push((chunk, rows, read_ms));
+                }
+            }
+            ReadEvent::Failed(e) => {
+                failure.get_or_insert(e);
             }
         }
-        let remaining = deadline.map(|d| d.saturating_duration_since(Instant::now()).as_secs_f64());
-        let rounds_left = pending.len().div_ceil(parallelism);
-        let rounds = rounds_for_wave(target, pace, remaining, rounds_left);
-        let take = (rounds * parallelism).min(pending.len());
-        let mut chunks: Vec<PlannedChunk> = pending.drain(..take).collect();
-        if plan.open_end {
-            if let (Some(c), Some(max)) = (chunks.iter_mut().find(|c| c.chunk == last_chunk), &open_payload.max) {
-                // The last chunk ends at the first key after MAX as it is now,
-                // so rows inserted above MAX since S (the stream's) do not pile into it.
-                c.hi = planner::last_bound(&adapter, max, &shape).await?;
+        // Commit every wave whose chunks are all in, in wave order.
+        while failure.is_none() && waves.get(&next_commit).is_some_and(|w| w.chunks.len() >= w.expected) {
+            let acc = waves.remove(&next_commit).expect("checked above");
+            let pace = acc.chunks.iter().map(|c| c.2).max().unwrap_or(0) as f64 / 1000.0;
+            let committed = async {
+                let max_after = ctx.source.max_lsn().await?.unwrap_or(acc.stamp);
+                let read = acc.into_wave(next_commit, max_after, coordinator.lock().await.last_chunk);
+                sink.commit(read).await
             }
-        }
-        let wave = next_wave;
-        next_wave += 1;
-        waves_started += 1;
-        let read = read_wave(ctx, o.s, wave, &chunks, rounds as u32, isolation, last_chunk).await;
-        // Hand over: the previous wave's commits must finish before this one's start.
-        if let Some(h) = inflight.take() {
-            let (sink, r) = h.await.map_err(|e| StepError::Internal(format!("the commit task failed: {e}")))?;
-            sink_slot = Some(sink);
-            match r {
+            .await;
+            match committed {
                 Ok(c) => {
                     result.waves += 1;
                     result.rows += c.rows;
                     result.wave_fixed_seconds.push(c.fixed_seconds);
+                    coordinator.lock().await.pace_round_seconds = Some(pace);
+                    next_commit += 1;
                 }
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
+                Err(e) => failure = Some(e),
             }
         }
-        let read = match read {
-            Ok(r) => r,
-            Err(e) => {
-                failure = Some(e);
-                break;
-            }
-        };
-        pace = Some(read.chunks.iter().filter_map(|c| c.read_ms).max().unwrap_or(0) as f64 / 1000.0 / rounds.max(1) as f64);
-        let mut sink = sink_slot.take().expect("the sink is back after its commit");
-        inflight = Some(tokio::spawn(async move {
-            let r = sink.commit(read).await;
-            (sink, r)
-        }));
-    }
-    if let Some(h) = inflight.take() {
-        let (sink, r) = h.await.map_err(|e| StepError::Internal(format!("the commit task failed: {e}")))?;
-        sink_slot = Some(sink);
-        match r {
-            Ok(c) => {
-                result.waves += 1;
-                result.rows += c.rows;
-                result.wave_fixed_seconds.push(c.fixed_seconds);
-            }
-            Err(e) => {
-                failure.get_or_insert(e);
-            }
+        if failure.is_some() {
+            // Stop handing out chunks; the readers finish the chunk in hand.
+            coordinator.lock().await.failed = true;
         }
     }
-    let sink = sink_slot.expect("the sink is back");
+    for r in readers {
+        if let Err(e) = r.await {
+            failure.get_or_insert(StepError::Internal(format!("a chunk reader panicked: {e}")));
+        }
+    }
+    let (stop_reason, paused) = {
+        let c = coordinator.lock().await;
+        (c.stop_reason.clone(), c.paused)
+    };
+    result.paused = paused;
     result.chunks_done = sink.done.len();
     result.done = sink.done.len() >= sink.chunks_total;
     ctx.facts = sink.facts;
@@ -1069,6 +1083,219 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
     result.reason = if result.done { Some("complete".into()) } else { stop_reason };
     result.duration_ms = started.elapsed().as_millis() as i64;
     Ok(result)
+}
+
+/// What the readers tell the committing task.
+enum ReadEvent {
+    /// A wave was stamped and its chunks queued.
+    WaveStarted { wave: i64, chunks: usize, stamp: Lsn, stamp_ts: Option<DateTime<Utc>>, rounds: u32, at: Instant },
+    /// One chunk is read and its data files written.
+    ChunkRead { wave: i64, chunk: PlannedChunk, rows: i64, read_ms: i64, adds: Vec<deltalake::kernel::Add>, ended: Instant },
+    Failed(StepError),
+}
+
+/// A wave being read.
+struct WaveAcc {
+    expected: usize,
+    stamp: Lsn,
+    stamp_ts: Option<DateTime<Utc>>,
+    rounds: u32,
+    #[allow(dead_code)]
+    started: Instant,
+    chunks: Vec<(PlannedChunk, i64, i64)>,
+    adds: Vec<deltalake::kernel::Add>,
+    rows: i64,
+    ended: Instant,
+}
+
+impl WaveAcc {
+    fn into_wave(mut self, wave: i64, max_after: Lsn, last_chunk: i64) -> WaveRead {
+        self.chunks.sort_by_key(|c| c.0.chunk);
+        let chunks = self
+            .chunks
+            .into_iter()
+            .map(|(c, rows, ms)| ChunkPayload {
+                chunk: c.chunk,
+                wave,
+                lo: c.lo,
+                hi: c.hi,
+                last: c.chunk == last_chunk,
+                rows,
+                stamp: self.stamp,
+                max_lsn: max_after,
+                read_ms: Some(ms),
+                rounds: self.rounds,
+                bronze_version: None,
+            })
+            .collect();
+        WaveRead { wave, chunks, adds: self.adds, rows: self.rows, read_ended: self.ended, stamp_ts: self.stamp_ts }
+    }
+}
+
+/// A chunk handed to a reader, with its wave's stamp.
+struct WorkItem {
+    wave: i64,
+    chunk: PlannedChunk,
+    stamp: Lsn,
+    stamp_ts: Option<DateTime<Utc>>,
+}
+
+/// Hands out chunks and starts waves (the call's budgets and the headroom
+/// pause are checked only when a wave would start).
+struct Coordinator {
+    pending: VecDeque<PlannedChunk>,
+    queue: VecDeque<WorkItem>,
+    next_wave: i64,
+    waves_started: u32,
+    stop_reason: Option<String>,
+    paused: bool,
+    failed: bool,
+    pace_round_seconds: Option<f64>,
+    max_waves: Option<u32>,
+    deadline: Option<Instant>,
+    min_headroom_hours: Option<f64>,
+    target_wave_seconds: f64,
+    parallelism: usize,
+    open_end: bool,
+    last_chunk: i64,
+    max_key: Option<Key>,
+    keys: SourceKeys,
+    shape: KeysetShape,
+    facts: DeltaTable,
+    app: String,
+    generation: i32,
+    zone: crate::source::ServerZone,
+    s: Lsn,
+}
+
+impl Coordinator {
+    /// The next chunk to read, starting a wave when the queue is empty; None when the call is done.
+    async fn next(&mut self, events: &tokio::sync::mpsc::UnboundedSender<ReadEvent>) -> StepResult<Option<WorkItem>> {
+        if self.failed {
+            return Ok(None);
+        }
+        if let Some(w) = self.queue.pop_front() {
+            return Ok(Some(w));
+        }
+        if self.pending.is_empty() || self.stop_reason.is_some() {
+            return Ok(None);
+        }
+        if self.max_waves.is_some_and(|m| self.waves_started >= m) {
+            self.stop_reason = Some(format!("max_waves ({}) reached", self.waves_started));
+            return Ok(None);
+        }
+        if self.deadline.is_some_and(|d| Instant::now() >= d) {
+            self.stop_reason = Some("max_seconds reached".into());
+            return Ok(None);
+        }
+        if let Some(h) = self.min_headroom_hours {
+            let headroom = newest_headroom(&self.facts, &self.app, self.generation).await?;
+            if headroom.is_none_or(|s| s < h * 3600.0) {
+                self.paused = true;
+                self.stop_reason = Some(match headroom {
+                    Some(s) => format!(
+                        "paused: the stream's retention headroom is {:.2} h, below min_headroom_hours {h}; call again once the stream has caught up",
+                        s / 3600.0
+                    ),
+                    None => format!("paused: the stream has no batch with a headroom yet (min_headroom_hours {h}); run the stream step first"),
+                });
+                return Ok(None);
+            }
+        }
+        let remaining = self.deadline.map(|d| d.saturating_duration_since(Instant::now()).as_secs_f64());
+        let rounds_left = self.pending.len().div_ceil(self.parallelism);
+        let rounds = rounds_for_wave(self.target_wave_seconds, self.pace_round_seconds, remaining, rounds_left);
+        let take = (rounds * self.parallelism).min(self.pending.len());
+        let mut chunks: Vec<PlannedChunk> = self.pending.drain(..take).collect();
+        if self.open_end {
+            if let (Some(c), Some(max)) = (chunks.iter_mut().find(|c| c.chunk == self.last_chunk), &self.max_key) {
+                // The last chunk ends at the first key after MAX as it is now,
+                // so rows inserted above MAX since S (the stream's) do not pile into it.
+                c.hi = planner::last_bound(&self.keys, max, &self.shape).await?;
+            }
+        }
+        // The stamp: read before any of the wave's SELECTs starts (P1), never below S (P2).
+        let stamp = self.keys.source.max_lsn().await?.ok_or_else(|| StepError::Temporary("max LSN is NULL: call again once capture has run".into()))?;
+        if stamp < self.s {
+            return Err(StepError::Temporary(format!(
+                "the source's max LSN {stamp} is below the snapshot's S {} (a readable secondary behind the primary?): \
+                 a chunk stamped below S could miss commits the stream does not have. Read from the server S came from",
+                self.s
+            )));
+        }
+        let stamp_ts = self.keys.source.lsn_to_time(stamp).await?.map(|l| self.zone.to_utc(l));
+        let wave = self.next_wave;
+        self.next_wave += 1;
+        self.waves_started += 1;
+        let _ = events.send(ReadEvent::WaveStarted { wave, chunks: chunks.len(), stamp, stamp_ts, rounds: rounds as u32, at: Instant::now() });
+        self.queue.extend(chunks.into_iter().map(|chunk| WorkItem { wave, chunk, stamp, stamp_ts }));
+        Ok(self.queue.pop_front())
+    }
+}
+
+/// One source connection's reader: takes chunks until the coordinator has none.
+#[derive(Clone)]
+struct ChunkReader {
+    source: SharedSource,
+    bronze: DeltaTable,
+    schema: deltalake::arrow::datatypes::SchemaRef,
+    base: SnapshotRead,
+    capture_instance: String,
+    s: Lsn,
+}
+
+impl ChunkReader {
+    async fn run(self, coordinator: Arc<Mutex<Coordinator>>, events: tokio::sync::mpsc::UnboundedSender<ReadEvent>) {
+        loop {
+            let next = coordinator.lock().await.next(&events).await;
+            let item = match next {
+                Ok(Some(item)) => item,
+                Ok(None) => return,
+                Err(e) => {
+                    coordinator.lock().await.failed = true;
+                    let _ = events.send(ReadEvent::Failed(e));
+                    return;
+                }
+            };
+            match self.read(&item).await {
+                Ok((rows, read_ms, adds)) => {
+                    let _ = events.send(ReadEvent::ChunkRead { wave: item.wave, chunk: item.chunk, rows, read_ms, adds, ended: Instant::now() });
+                }
+                Err(e) => {
+                    coordinator.lock().await.failed = true;
+                    let _ = events.send(ReadEvent::Failed(e));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Reads one chunk into data files of its own; returns rows, milliseconds and the files.
+    async fn read(&self, item: &WorkItem) -> StepResult<(i64, i64, Vec<deltalake::kernel::Add>)> {
+        let label = self.bronze.table_url().to_string();
+        let t0 = Instant::now();
+        let mut writer = RecordBatchWriter::for_table(&self.bronze).map_err(StepError::delta(&label))?.with_target_file_size(TARGET_FILE_BYTES);
+        let read = SnapshotRead { range: KeyRange { lo: item.chunk.lo.clone(), hi: item.chunk.hi.clone() }, ..self.base.clone() };
+        let stamp = SnapshotStamp {
+            snapshot: self.s,
+            start_lsn: item.stamp,
+            commit_ts: item.stamp_ts,
+            capture_instance: self.capture_instance.clone(),
+            chunk: Some(item.chunk.chunk),
+        };
+        let mut stream = self.source.snapshot_read(&read).await?;
+        let mut rows = 0i64;
+        while let Some(b) = stream.next().await {
+            let b = b?;
+            if b.num_rows() == 0 {
+                continue;
+            }
+            rows += b.num_rows() as i64;
+            writer.write(bronze::from_snapshot(&b, &self.schema, &stamp)?).await.map_err(StepError::delta(&label))?;
+        }
+        let adds = writer.flush().await.map_err(StepError::delta(&label))?;
+        Ok((rows, t0.elapsed().as_millis() as i64, adds))
+    }
 }
 
 /// The stream's newest batch headroom in this generation, in seconds.
@@ -1090,116 +1317,6 @@ async fn newest_headroom(facts_table: &DeltaTable, app: &str, generation: i32) -
         }
     }
     Ok(None)
-}
-
-/// Stamps and reads one wave: `parallelism` connections take the wave's
-/// chunks in order from a shared queue (neighbouring chunks read side by
-/// side, no connection idle while another has chunks left), each writing
-/// its rows straight into bronze data files.
-async fn read_wave(
-    ctx: &Context,
-    s: Lsn,
-    wave: i64,
-    chunks: &[PlannedChunk],
-    rounds: u32,
-    isolation: Isolation,
-    last_chunk: i64,
-) -> StepResult<WaveRead> {
-    let stamp = ctx.source.max_lsn().await?.ok_or_else(|| StepError::Temporary("max LSN is NULL: call again once capture has run".into()))?;
-    if stamp < s {
-        return Err(StepError::Temporary(format!(
-            "the source's max LSN {stamp} is below the snapshot's S {s} (a readable secondary behind the primary?): \
-             a chunk stamped below S could miss commits the stream does not have. Read from the server S came from"
-        )));
-    }
-    let stamp_ts = ctx.commit_time(stamp).await?;
-    let queue: Arc<Mutex<VecDeque<PlannedChunk>>> = Arc::new(Mutex::new(chunks.iter().cloned().collect()));
-    let bronze_schema = ctx.bronze_schema()?;
-    let connections = ctx.workflow.snapshot.parallelism.max(1).min(chunks.len().max(1));
-    let mut tasks = Vec::with_capacity(connections);
-    for _ in 0..connections {
-        let queue = queue.clone();
-        let source = ctx.source.clone();
-        let table = ctx.bronze.clone();
-        let schema = bronze_schema.clone();
-        let base = SnapshotRead {
-            table: ctx.workflow.table_name(),
-            columns: ctx.instance.columns.clone(),
-            keys: Vec::new(),
-            range: KeyRange::all(),
-            isolation,
-            batch_rows: ctx.workflow.snapshot.batch_rows,
-        };
-        let keys = ctx.snapshot_keys();
-        let ci = ctx.instance.name.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut writer = RecordBatchWriter::for_table(&table)
-                .map_err(StepError::delta(table.table_url().to_string()))?
-                .with_target_file_size(TARGET_FILE_BYTES);
-            let mut done: Vec<(PlannedChunk, i64, i64)> = Vec::new();
-            loop {
-                let Some(chunk) = queue.lock().await.pop_front() else { break };
-                let t0 = Instant::now();
-                let read = SnapshotRead { keys: keys.clone(), range: KeyRange { lo: chunk.lo.clone(), hi: chunk.hi.clone() }, ..base.clone() };
-                let stamp = SnapshotStamp { snapshot: s, start_lsn: stamp, commit_ts: stamp_ts, capture_instance: ci.clone(), chunk: Some(chunk.chunk) };
-                let mut stream = source.snapshot_read(&read).await?;
-                let mut n = 0i64;
-                while let Some(b) = stream.next().await {
-                    let b = b?;
-                    if b.num_rows() == 0 {
-                        continue;
-                    }
-                    n += b.num_rows() as i64;
-                    let rows = bronze::from_snapshot(&b, &schema, &stamp)?;
-                    writer.write(rows).await.map_err(StepError::delta(table.table_url().to_string()))?;
-                }
-                done.push((chunk, n, t0.elapsed().as_millis() as i64));
-            }
-            let adds = writer.flush().await.map_err(StepError::delta(table.table_url().to_string()))?;
-            Ok::<_, StepError>((adds, done))
-        }));
-    }
-    let mut adds = Vec::new();
-    let mut read: Vec<(PlannedChunk, i64, i64)> = Vec::new();
-    let mut first_error = None;
-    for t in tasks {
-        match t.await {
-            Ok(Ok((a, d))) => {
-                adds.extend(a);
-                read.extend(d);
-            }
-            Ok(Err(e)) => {
-                first_error.get_or_insert(e);
-            }
-            Err(e) => {
-                first_error.get_or_insert(StepError::Internal(format!("a chunk reader panicked: {e}")));
-            }
-        }
-    }
-    if let Some(e) = first_error {
-        return Err(e);
-    }
-    let read_ended = Instant::now();
-    let max_after = ctx.source.max_lsn().await?.unwrap_or(stamp);
-    read.sort_by_key(|(c, _, _)| c.chunk);
-    let rows: i64 = read.iter().map(|(_, n, _)| n).sum();
-    let chunks = read
-        .into_iter()
-        .map(|(c, n, ms)| ChunkPayload {
-            chunk: c.chunk,
-            wave,
-            lo: c.lo,
-            hi: c.hi,
-            last: c.chunk == last_chunk,
-            rows: n,
-            stamp,
-            max_lsn: max_after,
-            read_ms: Some(ms),
-            rounds,
-            bronze_version: None,
-        })
-        .collect();
-    Ok(WaveRead { wave, chunks, adds, rows, read_ended, stamp_ts })
 }
 
 #[cfg(test)]
