@@ -446,3 +446,37 @@ async fn crash_drill_at_every_chunked_failpoint() {
         assert_eq!(b.iter().map(|b| b.num_rows()).sum::<usize>(), 0, "{fp}: a row read twice");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_facts_row_without_its_plans_row_raises_instead_of_reading_the_whole_table() {
+    let _fp = fail::FailScenario::setup();
+    let s = Scenario::new(30, &CHUNKED.replace("parallelism = 3", "parallelism = 1"));
+    s.stream().await.unwrap();
+    assert!(!backfill(&s, one_wave()).await.unwrap().done);
+    // The plans table is lost (or was never readable): its key values are nowhere.
+    let location = plans::location_for(&s.context().await.unwrap().workflow.target.bronze);
+    std::fs::remove_dir_all(&location).unwrap();
+    let e = backfill(&s, one_wave()).await.unwrap_err();
+    assert!(matches!(e, StepError::NeedsPerson(_)), "{e}");
+    assert!(e.to_string().contains("plans table"), "{e}");
+    assert_eq!(s.count("bronze", "_chunk IS NOT NULL AND _chunk > 0").await, 0, "nothing more was read");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_isolation_on_request_once_the_database_allows_it() {
+    let _fp = fail::FailScenario::setup();
+    let mut s = Scenario::new(40, CHUNKED);
+    s.stream().await.unwrap();
+    let snapshot = BackfillArgs { isolation: Some(mssql_cdc::source::Isolation::Snapshot), ..BackfillArgs::default() };
+    // Refused while ALLOW_SNAPSHOT_ISOLATION is off, before the plan is made.
+    let e = backfill(&s, snapshot.clone()).await.unwrap_err();
+    assert!(e.to_string().to_lowercase().contains("snapshot"), "{e}");
+    assert_eq!(s.count("facts", "event = 'snapshot_plan'").await, 0);
+    s.db.set_config_value("allow_snapshot_isolation", "true").unwrap();
+    s.changes(5);
+    s.stream().await.unwrap();
+    let b = backfill(&s, snapshot).await.unwrap();
+    assert!(b.done, "{b:?}");
+    s.stream_until_caught_up().await;
+    assert_eq!(s.verify().await.differences(), 0);
+}
