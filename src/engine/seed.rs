@@ -424,7 +424,7 @@ async fn refusal(ctx: &Context, as_of: &AsOf, d: SeedDecision) -> StepError {
         }
         SeedDecision::SnapshotOpen(open) => StepError::Config(format!(
             "a snapshot of this stream is open (started at {}) and not complete: finish it first (`mssql-cdc --workflow {wf} snapshot` \
-             completes a full one; a chunked one completes as `stream` calls read its chunks), then seed with --reseed if the copy is \
+             completes a full one; a chunked one completes when `mssql-cdc --workflow {wf} backfill` reports done), then seed with --reseed if the copy is \
              newer",
             open.iter().map(|l| l.to_hex()).collect::<Vec<_>>().join(", ")
         )),
