@@ -131,12 +131,6 @@ impl Harness {
         engine::stream::run(&mut ctx).await
     }
 
-    /// One `backfill` call, as an orchestrator makes it.
-    pub async fn backfill(&self, args: &engine::chunked::BackfillArgs) -> StepResult<engine::chunked::BackfillResult> {
-        let mut ctx = Context::open(self.workflow()?).await?;
-        engine::chunked::backfill(&mut ctx, args).await
-    }
-
     /// Waits until the simulated capture job has recorded an LSN.
     pub async fn wait_for_capture(&self) -> StepResult<()> {
         let wait_start = Instant::now();
@@ -251,14 +245,7 @@ async fn full(args: DemoArgs) -> StepResult<(Value, bool)> {
     h.start_writer(args.writer_tx_per_s, args.seed);
 
     // The capture job's first scans: a snapshot needs an LSN to stand at.
-    let wait_start = Instant::now();
-    while h.db.max_lsn().map_err(|e| StepError::Internal(format!("simulator: {e}")))?.is_none() {
-        if wait_start.elapsed() > Duration::from_secs(30) {
-            return Err(StepError::Temporary("the simulated capture job recorded no LSN within 30 s".into()));
-        }
-        let _ = h.db.capture();
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    h.wait_for_capture().await?;
     let t_boot = Instant::now();
     h.say("bootstrap: reading the table at S over 4 connections");
     let mut ctx = Context::open(h.workflow()?).await?;
@@ -275,23 +262,9 @@ async fn full(args: DemoArgs) -> StepResult<(Value, bool)> {
         h.say(format!("streaming: {batches} batches, {streamed} change rows, position {}", r.position.map(|p| p.to_string()).unwrap_or_default()));
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let writer = h.stop_writer()?;
-    h.say("writer stopped; catching up");
-    // Let the capture job harvest the writer's last transactions, then read to the end.
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    h.db.capture().map_err(|e| StepError::Internal(format!("capture: {e}")))?;
-    for _ in 0..100 {
-        let r = h.stream().await?;
-        batches += r.batches;
-        streamed += r.rows;
-        let done = r.caught_up && match (r.position, writer.last_commit_lsn) {
-            (Some(p), Some(w)) => p >= w,
-            _ => true,
-        };
-        if done {
-            break;
-        }
-    }
+    let (writer, b, r) = h.stop_and_catch_up().await?;
+    batches += b;
+    streamed += r;
     let stream_s = t_stream.elapsed().as_secs_f64();
     h.say("verifying: rebuilding the latest image per key from bronze");
     let t_verify = Instant::now();

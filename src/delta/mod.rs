@@ -334,10 +334,8 @@ where
 {
     let label = table.table_url().to_string();
     table.update_state().await.map_err(StepError::delta(&label))?;
-    if let Some(found) = txn_version(table, &txn.app_id).await? {
-        if found >= txn.version {
-            return Ok(Appended::AlreadyApplied { found });
-        }
+    if let Some(found) = applied(table, txn).await? {
+        return Ok(Appended::AlreadyApplied { found });
     }
     let mut writer = RecordBatchWriter::for_table(table).map_err(StepError::delta(&label))?;
     let mut batches = std::pin::pin!(batches);
@@ -352,26 +350,34 @@ where
     if rows == 0 {
         return Ok(Appended::Empty);
     }
-    let metadata = metadata();
-    let props = CommitProperties::default()
-        .with_metadata([
-            ("userMetadata".to_string(), json!(metadata.to_string())),
-            ("mssql_cdc".to_string(), metadata),
-        ])
-        .with_application_transaction(Transaction::new(&txn.app_id, txn.version));
-    let mut writer = writer.with_commit_properties(props);
+    let mut writer = writer.with_commit_properties(step_commit_properties(txn, metadata()));
     match writer.flush_and_commit(table).await {
         Ok(v) => Ok(Appended::Committed { table_version: v as i64 }),
-        Err(e) => {
-            // A concurrent writer may have committed the same txn first: then it is applied.
-            table.update_state().await.map_err(StepError::delta(&label))?;
-            if let Some(found) = txn_version(table, &txn.app_id).await? {
-                if found >= txn.version {
-                    return Ok(Appended::AlreadyApplied { found });
-                }
-            }
-            Err(StepError::delta(&label)(e))
-        }
+        Err(e) => applied_after_failure(table, txn, &label, e).await,
+    }
+}
+
+/// The txn version the table already holds for `txn`'s app id, when it is
+/// at or past `txn`'s: the commit this txn names is then applied.
+async fn applied(table: &DeltaTable, txn: &Txn) -> StepResult<Option<i64>> {
+    Ok(txn_version(table, &txn.app_id).await?.filter(|found| *found >= txn.version))
+}
+
+/// Commit properties of a step's commit: its metadata (also as Delta's
+/// userMetadata) and its txn.
+fn step_commit_properties(txn: &Txn, metadata: Value) -> CommitProperties {
+    CommitProperties::default()
+        .with_metadata([("userMetadata".to_string(), json!(metadata.to_string())), ("mssql_cdc".to_string(), metadata)])
+        .with_application_transaction(Transaction::new(&txn.app_id, txn.version))
+}
+
+/// After a failed commit: a concurrent writer may have committed the same
+/// txn first, and then it is applied; otherwise the failure stands.
+async fn applied_after_failure(table: &mut DeltaTable, txn: &Txn, label: &str, e: deltalake::DeltaTableError) -> StepResult<Appended> {
+    table.update_state().await.map_err(StepError::delta(label))?;
+    match applied(table, txn).await? {
+        Some(found) => Ok(Appended::AlreadyApplied { found }),
+        None => Err(StepError::delta(label)(e)),
     }
 }
 
@@ -386,20 +392,13 @@ pub async fn commit_adds(table: &mut DeltaTable, adds: Vec<deltalake::kernel::Ad
     use deltalake::protocol::{DeltaOperation, SaveMode};
     let label = table.table_url().to_string();
     table.update_state().await.map_err(StepError::delta(&label))?;
-    if let Some(found) = txn_version(table, &txn.app_id).await? {
-        if found >= txn.version {
-            return Ok(Appended::AlreadyApplied { found });
-        }
+    if let Some(found) = applied(table, txn).await? {
+        return Ok(Appended::AlreadyApplied { found });
     }
     if adds.is_empty() {
         return Ok(Appended::Empty);
     }
-    let props = CommitProperties::default()
-        .with_metadata([
-            ("userMetadata".to_string(), json!(metadata.to_string())),
-            ("mssql_cdc".to_string(), metadata),
-        ])
-        .with_application_transaction(Transaction::new(&txn.app_id, txn.version));
+    let props = step_commit_properties(txn, metadata);
     let actions: Vec<deltalake::kernel::Action> = adds.into_iter().map(deltalake::kernel::Action::Add).collect();
     let operation = DeltaOperation::Write { mode: SaveMode::Append, partition_by: None, predicate: None };
     let result = {
@@ -412,15 +411,7 @@ pub async fn commit_adds(table: &mut DeltaTable, adds: Vec<deltalake::kernel::Ad
             table.update_state().await.map_err(StepError::delta(&label))?;
             Ok(Appended::Committed { table_version: v as i64 })
         }
-        Err(e) => {
-            table.update_state().await.map_err(StepError::delta(&label))?;
-            if let Some(found) = txn_version(table, &txn.app_id).await? {
-                if found >= txn.version {
-                    return Ok(Appended::AlreadyApplied { found });
-                }
-            }
-            Err(StepError::delta(&label)(e))
-        }
+        Err(e) => applied_after_failure(table, txn, &label, e).await,
     }
 }
 
