@@ -31,6 +31,10 @@ pub enum Command {
         /// The most micro-batches this call commits (overrides stream.max_batches).
         #[arg(long)]
         max_batches: Option<u32>,
+        /// Overrides stream.resnapshot_interval_days for this call: 0 lets a
+        /// person re-snapshot now after the anti-loop guard stopped a recovery.
+        #[arg(long, value_name = "DAYS")]
+        resnapshot_interval_days: Option<f64>,
     },
     /// Take the bootstrap snapshot now (the stream step also does it when needed);
     /// in chunked mode, open it (backfill reads it).
@@ -190,10 +194,16 @@ fn workflow_path(cli_path: &Option<PathBuf>) -> Result<PathBuf, StepError> {
 /// Runs one command; returns its JSON result and exit code.
 pub async fn run(cli: Cli) -> Result<(Value, i32), StepError> {
     match cli.command {
-        Command::Stream { max_batches } => {
+        Command::Stream { max_batches, resnapshot_interval_days } => {
             let mut wf = crate::workflow::Workflow::load(&workflow_path(&cli.workflow)?)?;
             if let Some(n) = max_batches {
                 wf.stream.max_batches = n.max(1);
+            }
+            if let Some(d) = resnapshot_interval_days {
+                if !(d >= 0.0 && d.is_finite()) {
+                    return Err(StepError::Config(format!("--resnapshot-interval-days is {d}: use 0 or more days")));
+                }
+                wf.stream.resnapshot_interval_days = d;
             }
             let mut ctx = crate::engine::Context::open(wf).await?;
             let r = crate::engine::stream::run(&mut ctx).await?;

@@ -29,6 +29,12 @@ pub enum DemoScenario {
     Chunked,
     /// A Parquet copy exported under the running writer, seeded by its start time, then streamed and checked.
     Seed,
+    /// The stream stops for longer than the CDC retention; its next call
+    /// recovers on its own with a full re-snapshot in a new generation.
+    DataLoss,
+    /// As data-loss, with a chunked re-snapshot: the new generation streams
+    /// at once while `backfill` reads the table beside it.
+    DataLossChunked,
 }
 
 /// Arguments of `mssql-cdc demo`.
@@ -69,7 +75,6 @@ pub struct Harness {
 impl Harness {
     /// Prepares `dir` and creates the simulated database with `rows` orders.
     pub fn create(dir: &Path, rows: u64, seed: u64) -> StepResult<Harness> {
-        prepare_dir(dir)?;
         let cfg = SimConfig {
             clock: Clock::Wall,
             time_zone: "America/Sao_Paulo".into(),
@@ -78,6 +83,14 @@ impl Harness {
             seed,
             ..SimConfig::default()
         };
+        Harness::create_with(dir, rows, cfg)
+    }
+
+    /// [`Harness::create`] with the simulator's settings given (a manual
+    /// clock lets a scenario skip days ahead).
+    pub fn create_with(dir: &Path, rows: u64, cfg: SimConfig) -> StepResult<Harness> {
+        prepare_dir(dir)?;
+        let seed = cfg.seed;
         let sim_err = |e: sim::SimError| StepError::Internal(format!("simulator: {e}"));
         let db = SimDb::create(&dir.join("source.sqlite"), cfg).map_err(sim_err)?;
         let table = TableName::new("dbo", "orders");
@@ -91,10 +104,15 @@ impl Harness {
 
     /// Writes the workflow file with these extra `[snapshot]` settings.
     pub fn write_workflow(&self, snapshot_toml: &str) -> StepResult<()> {
+        self.write_workflow_with("", snapshot_toml)
+    }
+
+    /// Writes the workflow file with extra `[stream]` and `[snapshot]` settings.
+    pub fn write_workflow_with(&self, stream_toml: &str, snapshot_toml: &str) -> StepResult<()> {
         let text = format!(
             "# Written by `mssql-cdc demo`.\napp_id = \"orders-demo\"\n\n[source]\nurl = \"sim://source.sqlite\"\n\n\
              [table]\nschema = \"dbo\"\nname = \"orders\"\n\n[target]\nbronze = \"bronze/orders\"\nfacts = \"facts\"\n\n\
-             [stream]\nmax_batch_rows = 20000\n\n[snapshot]\n{snapshot_toml}\n"
+             [stream]\nmax_batch_rows = 20000\n{stream_toml}\n\n[snapshot]\n{snapshot_toml}\n"
         );
         std::fs::write(&self.workflow_path, text).map_err(|e| StepError::Config(format!("cannot write {}: {e}", self.workflow_path.display())))
     }
@@ -231,6 +249,8 @@ pub async fn run(args: DemoArgs) -> StepResult<(Value, bool)> {
         DemoScenario::Full => full(args).await,
         DemoScenario::Chunked => chunked(args).await,
         DemoScenario::Seed => crate::demo_seed::run(args).await,
+        DemoScenario::DataLoss => crate::demo_loss::run(args, false).await,
+        DemoScenario::DataLossChunked => crate::demo_loss::run(args, true).await,
     }
 }
 

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod cli;
 pub mod delta;
 pub mod demo;
+pub mod demo_loss;
 pub mod demo_seed;
 pub mod engine;
 pub mod error;

@@ -88,12 +88,44 @@ pub struct StreamOptions {
     pub row_filter: RowFilterOption,
     /// Where a stream without a bootstrap starts: `earliest`, `latest` or an LSN.
     pub start: String,
+    /// What a stream does when the changes after its position were purged by
+    /// CDC cleanup: `fail` (exit 3, a person decides), `resnapshot` (take a
+    /// new snapshot in a new generation and go on from it), or `skip` (jump
+    /// to the capture instance's min LSN, leaving a `data_skipped` event row).
+    pub on_data_loss: OnDataLoss,
+    /// The anti-loop guard of `resnapshot`: a loss within this many days of
+    /// the previous automatic re-snapshot (or of a failed one) stops with
+    /// exit 3 instead. Set it above the CDC retention; 0 re-snapshots now.
+    pub resnapshot_interval_days: f64,
+    /// With `snapshot.mode = "chunked"`: after the stream moves to a newer
+    /// capture instance, open a chunked snapshot at that instance's start LSN.
+    pub snapshot_on_switch: bool,
 }
 
 impl Default for StreamOptions {
     fn default() -> Self {
-        StreamOptions { max_batch_rows: 100_000, max_batches: 1_000, row_filter: RowFilterOption::All, start: "earliest".into() }
+        StreamOptions {
+            max_batch_rows: 100_000,
+            max_batches: 1_000,
+            row_filter: RowFilterOption::All,
+            start: "earliest".into(),
+            on_data_loss: OnDataLoss::Fail,
+            resnapshot_interval_days: 7.0,
+            snapshot_on_switch: false,
+        }
     }
+}
+
+/// `stream.on_data_loss`: what the retention guard does with a purged range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnDataLoss {
+    /// Stop with exit 3 and name the gap (the default: nothing is lost silently).
+    Fail,
+    /// Re-snapshot in a new generation and stream on from its LSN.
+    Resnapshot,
+    /// Skip ahead to the min LSN; the gap is recorded as a `data_skipped` row.
+    Skip,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -250,6 +282,15 @@ impl Workflow {
                     return bad(format!("stream.start '{other}' must be earliest, latest or an LSN like 0x0000002a000001f00003"));
                 }
             }
+        }
+        if !(self.stream.resnapshot_interval_days >= 0.0 && self.stream.resnapshot_interval_days.is_finite()) {
+            return bad(format!(
+                "stream.resnapshot_interval_days is {}: use 0 or more days (above the CDC retention; 0 re-snapshots now)",
+                self.stream.resnapshot_interval_days
+            ));
+        }
+        if self.stream.snapshot_on_switch && self.snapshot.mode != SnapshotMode::Chunked {
+            return bad("stream.snapshot_on_switch needs snapshot.mode = \"chunked\" (the snapshot it opens is read by backfill)".into());
         }
         if self.snapshot.chunk_rows == 0 {
             return bad("snapshot.chunk_rows must be at least 1".into());

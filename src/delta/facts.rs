@@ -32,6 +32,18 @@ pub static MIGRATIONS: &[Migration] = &[Migration {
 pub const EVENT_BOOTSTRAP: &str = "bootstrap";
 pub const EVENT_RESNAPSHOT: &str = "resnapshot";
 pub const EVENT_SNAPSHOT_OPEN: &str = "snapshot_open";
+/// A recovery after data loss started: the gap and the position it starts
+/// from (written once per target generation, before any snapshot is read).
+pub const EVENT_RECOVERY: &str = "recovery";
+/// A full re-snapshot whose own LSN was purged before its read ended: it was
+/// not committed, and it counts for the anti-loop guard.
+pub const EVENT_RESNAPSHOT_FAILED: &str = "resnapshot_failed";
+/// A purged range skipped (`on_data_loss = "skip"`), in the batch's commit.
+pub const EVENT_DATA_SKIPPED: &str = "data_skipped";
+/// The stream moved to a newer capture instance at its start LSN.
+pub const EVENT_CAPTURE_INSTANCE_SWITCHED: &str = "capture_instance_switched";
+/// The captured columns changed with a capture instance switch.
+pub const EVENT_SCHEMA_CHANGE: &str = "schema_change";
 
 /// One facts row.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -96,7 +108,10 @@ pub fn column_comment(name: &str) -> String {
         "target" => "The bronze table the stream writes.",
         "generation" => "The stream generation: 0, then one more after each recovery from data loss.",
         "batch_id" => "The micro-batch (txn version of the generation's app id); NULL on snapshot events.",
-        "event" => "NULL for a micro-batch; bootstrap or resnapshot for a completed snapshot; snapshot_open when one starts.",
+        "event" => "NULL for a micro-batch; bootstrap or resnapshot for a completed snapshot; snapshot_open when one starts; \
+                    recovery when a data-loss recovery starts, resnapshot_failed when its snapshot outlived the retention; \
+                    data_skipped for a purged range skipped (certain in detail); capture_instance_switched and schema_change \
+                    when the stream moves to a newer capture instance.",
         "capture_instance" => "The capture instance read.",
         "min_lsn" => "First LSN of the batch's range; for a snapshot event its LSN S.",
         "max_lsn" => "Last LSN of the batch's range (the stream's position after it); for a snapshot event S.",
@@ -106,8 +121,8 @@ pub fn column_comment(name: &str) -> String {
         "source_max_lsn" => "sys.fn_cdc_get_max_lsn() when the batch was planned; the lag is the distance to it.",
         "retention_watermark_ts" => "Commit time of the capture instance's min LSN when the batch ran: what cleanup has already purged up to.",
         "headroom_seconds" => "commit_ts minus retention_watermark_ts: how far ahead of CDC cleanup the stream's position was.",
-        "lost_from_ts" => "For a data-loss event: commit time of the last position processed.",
-        "lost_to_ts" => "For a data-loss event: commit time of the min LSN when the loss was found.",
+        "lost_from_ts" => "For a data-loss event (recovery, resnapshot, data_skipped): commit time of the last position processed.",
+        "lost_to_ts" => "For a data-loss event (recovery, resnapshot, data_skipped): commit time of the min LSN when the loss was found.",
         "bronze_version" => "The bronze table version of the batch's or snapshot's commit.",
         "detail" => "JSON details of an event or batch (never source key values).",
         "recorded_at" => "When this row was written (UTC, the writer's clock).",

@@ -146,6 +146,17 @@ pub fn full_holding_mode(rows: &[FactRow], min_lsn: Option<Lsn>) -> Option<Opene
         .max_by_key(|o| o.s)
 }
 
+/// A full open for generation `generation` (a re-snapshot taken for the next
+/// generation) that is not completed and not yet passed by cleanup: it may
+/// still be being read, so a chunked recovery must not start beside it.
+pub fn full_open_of(rows: &[FactRow], generation: i32, min_lsn: Option<Lsn>) -> Option<Opened> {
+    rows.iter()
+        .filter_map(opened_of)
+        .filter(|o| o.mode == Mode::Full && o.generation == generation && !is_completed(rows, o.s))
+        .filter(|o| !min_lsn.is_some_and(|m| o.s.increment() < m))
+        .max_by_key(|o| o.s)
+}
+
 /// The error for a step that finds the other mode's snapshot open.
 pub fn mode_conflict(open: &Opened, wanted: Mode) -> StepError {
     let how = match open.mode {
@@ -379,6 +390,12 @@ pub fn check_keys(ctx: &Context, keys: &[String]) -> StepResult<Vec<SqlType>> {
 /// Opens (or finds) the chunked snapshot of generation `generation`: records S
 /// and the key's extent and starts the generation at S, reading no rows.
 pub async fn ensure_open(ctx: &mut Context, kind: &str, generation: i32) -> StepResult<OpenResult> {
+    ensure_open_with_gap(ctx, kind, generation, None).await
+}
+
+/// [`ensure_open`] for a re-snapshot: its open row (and later its
+/// completion row) carries the data-loss gap it closes.
+pub async fn ensure_open_with_gap(ctx: &mut Context, kind: &str, generation: i32, gap: Option<super::snapshot::Gap>) -> StepResult<OpenResult> {
     let app = ctx.workflow.app_id.clone();
     let rows = state::facts_rows(&ctx.facts, &app).await?;
     if let Some(o) = chunked_of_generation(&rows).filter(|o| o.generation == generation) {
@@ -416,6 +433,8 @@ pub async fn ensure_open(ctx: &mut Context, kind: &str, generation: i32) -> Step
     row.max_lsn = Some(s);
     row.commit_ts = ctx.commit_time(s).await?;
     row.detail = Some(json!({"mode": "chunked", "kind": kind, "generation": generation, "isolation": iso}));
+    row.lost_from_ts = gap.and_then(|g| g.lost_from_ts);
+    row.lost_to_ts = gap.and_then(|g| g.lost_to_ts);
     let appended = append_facts_rows(&mut ctx.facts, &app, vec![row], &txn_open_facts(&app, generation)).await?;
     failpoint!("chunked.after_open");
     if let Appended::AlreadyApplied { .. } = appended {
@@ -635,6 +654,8 @@ struct Sink {
     generation: i32,
     kind: String,
     header: FactRow,
+    /// The data-loss gap a re-snapshot closes (on its completion row only).
+    gap: super::snapshot::Gap,
     bronze: DeltaTable,
     facts: DeltaTable,
     plans: DeltaTable,
@@ -756,6 +777,9 @@ impl Sink {
         row.max_lsn = Some(self.s);
         row.rows = Some(self.rows_total);
         row.commit_ts = commit_ts.or(row.commit_ts);
+        row.lost_from_ts = self.gap.lost_from_ts;
+        row.lost_to_ts = self.gap.lost_to_ts;
+        row.retention_watermark_ts = self.gap.lost_to_ts;
         row.detail = Some(json!({"mode": "chunked", "snapshot": self.s.to_hex(), "chunks": self.chunks_total, "waves": self.waves_total.len()}));
         append_facts_rows(&mut self.facts, &self.app, vec![row], &txn_completion(&self.app, self.generation)).await?;
         failpoint!("chunked.after_complete");
@@ -878,12 +902,19 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
     let mut header = ctx.fact_row(o.generation);
     header.recorded_at = None;
     header.commit_ts = ctx.commit_time(o.s).await?;
+    // A re-snapshot's completion carries the gap its open recorded.
+    let gap = rows
+        .iter()
+        .find(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_OPEN) && r.min_lsn == Some(o.s) && r.generation == o.generation)
+        .map(|r| super::snapshot::Gap { lost_from_ts: r.lost_from_ts, lost_to_ts: r.lost_to_ts })
+        .unwrap_or_default();
     let mut sink = Sink {
         app: app.clone(),
         s: o.s,
         generation: o.generation,
         kind: o.kind.clone(),
         header,
+        gap,
         bronze: ctx.bronze.clone(),
         facts: ctx.facts.clone(),
         plans: plans_table,

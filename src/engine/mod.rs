@@ -11,6 +11,7 @@
 pub mod chunked;
 pub mod plan;
 pub mod rebuild;
+pub mod recover;
 pub mod seed;
 pub mod snapshot;
 pub mod state;
@@ -34,6 +35,7 @@ pub const FAILPOINTS: &[&str] = &[
     "snapshot.after_open",
     "snapshot.after_bronze",
     "snapshot.after_event",
+    "recover.after_recovery_row",
     "stream.after_start",
     "stream.after_bronze",
     "stream.after_facts",

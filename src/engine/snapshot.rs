@@ -6,13 +6,21 @@
 //!    rerun under another S shows as its own attempt);
 //! 2. the bronze append of every row, txn `<app id>#snapshot` + generation,
 //!    S and the row count in the commit metadata (none for an empty table);
-//! 3. the `bootstrap` facts row, txn `<app id>#events` + generation.
+//! 3. the `bootstrap` (or, after data loss, `resnapshot`) facts row, txn
+//!    `<app id>#events` + generation.
 //!
 //! A crash after 2 finds the bronze txn on the rerun and writes 3 from the
 //! commit's metadata without reading the table again; a crash before 2 reads
 //! it again at a new S. The stream then continues from S.
+//!
+//! Before 2 commits, the read checks that CDC cleanup has not passed S (a
+//! read longer than the retention): such an image cannot be continued by the
+//! stream, so it is never committed; a `resnapshot_failed` row records the
+//! attempt instead (adr-0018's step 3), and the step stops with exit 3.
 
 use std::time::Instant;
+
+use chrono::{DateTime, Utc};
 
 use deltalake::arrow::record_batch::RecordBatch;
 use futures::StreamExt;
@@ -22,7 +30,7 @@ use tokio::sync::mpsc;
 
 use super::Context;
 use crate::delta::bronze::{self, SnapshotStamp};
-use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_SNAPSHOT_OPEN};
+use crate::delta::facts::{EVENT_BOOTSTRAP, EVENT_RESNAPSHOT, EVENT_RESNAPSHOT_FAILED, EVENT_SNAPSHOT_OPEN};
 use crate::delta::{self, Appended, Txn};
 use crate::error::{StepError, StepResult};
 use crate::failpoint;
@@ -108,62 +116,140 @@ async fn plan_ranges(ctx: &Context, keys: &[String]) -> StepResult<Vec<KeyRange>
 /// Makes sure generation 0's bootstrap snapshot exists: returns it when it
 /// does, completes it from bronze after a crash, or takes it.
 pub async fn ensure_bootstrap(ctx: &mut Context) -> StepResult<SnapshotResult> {
-    let started = Instant::now();
-    let app = ctx.workflow.app_id.clone();
     let st = super::state::load(ctx).await?;
     if st.generation == 0 {
         if let Some(s) = st.snapshot {
             return Ok(SnapshotResult { step: "snapshot", snapshot_lsn: s, rows: 0, already_done: true, ranges: 0, duration_ms: 0 });
         }
     }
-    // A later generation (a reseed) started from its own snapshot: generation 0's bootstrap is history.
+    // A later generation (a reseed, a recovery) started from its own snapshot: generation 0's bootstrap is history.
     if st.generation > 0 {
         if let Some(s) = st.snapshot.or(st.position()) {
             return Ok(SnapshotResult { step: "snapshot", snapshot_lsn: s, rows: 0, already_done: true, ranges: 0, duration_ms: 0 });
         }
     }
-    let generation = 0;
-    let snap_txn = Txn::new(format!("{app}#snapshot"), generation as i64);
-    // A crash after the bronze commit: finish from its metadata.
-    if delta::txn_version(&ctx.bronze, &snap_txn.app_id).await?.is_some_and(|v| v >= snap_txn.version) {
-        let (version, meta) = delta::find_txn_commit(&ctx.bronze, &snap_txn).await?.ok_or_else(|| {
-            StepError::NeedsPerson(format!(
-                "bronze records the bootstrap snapshot ({}) but its commit is no longer in the log: write its facts row by hand",
-                snap_txn.app_id
-            ))
-        })?;
-        let s = meta.get("snapshot_lsn").and_then(Value::as_str).and_then(|s| Lsn::parse(s).ok()).ok_or_else(|| {
-            StepError::Internal(format!("bronze commit {version} lacks its snapshot LSN"))
-        })?;
-        let rows = meta.get("rows").and_then(Value::as_i64).unwrap_or(0);
-        tracing::warn!(snapshot = %s, "bronze holds the bootstrap snapshot without its facts row (a crash between the two): writing it now");
-        write_completion(ctx, generation, s, rows, Some(version), None).await?;
-        return Ok(SnapshotResult { step: "snapshot", snapshot_lsn: s, rows, already_done: true, ranges: 0, duration_ms: 0 });
+    if let Some(done) = finish_committed(ctx, 0, EVENT_BOOTSTRAP, None).await? {
+        return Ok(done);
     }
     // One snapshot mode per run: a chunked snapshot still being backfilled
     // must finish first (adr-0028's Amendment).
-    let rows = super::state::facts_rows(&ctx.facts, &app).await?;
+    let rows = super::state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
     if let Some(c) = super::chunked::open_chunked(&rows) {
         return Err(super::chunked::mode_conflict(&c, super::chunked::Mode::Full));
     }
+    take_full(ctx, 0, EVENT_BOOTSTRAP, None).await
+}
+
+/// The data-loss gap a re-snapshot closes, as its event rows record it.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct Gap {
+    /// Commit time of the last position the stream processed.
+    pub lost_from_ts: Option<DateTime<Utc>>,
+    /// Commit time of the capture instance's min LSN when the loss was found.
+    pub lost_to_ts: Option<DateTime<Utc>>,
+}
+
+fn txn_full_snapshot(app: &str, generation: i32) -> Txn {
+    Txn::new(format!("{app}#snapshot"), generation as i64)
+}
+
+/// True when CDC cleanup has passed `s`: the changes right after it are gone
+/// while there is something after it to read, so a stream cannot start there.
+pub fn is_purged_after(s: Lsn, min_lsn: Option<Lsn>, max_lsn: Option<Lsn>) -> bool {
+    matches!((min_lsn, max_lsn), (Some(min), Some(max)) if max > s && s.increment() < min)
+}
+
+/// Completes a full snapshot of `generation` whose bronze commit is in but
+/// whose completion row is not (a crash between the two): writes the row from
+/// the commit's metadata, without reading the table again. None when bronze
+/// holds no such commit. A re-snapshot that cleanup has passed since is never
+/// completed (its image cannot be continued): that is a failed attempt.
+pub async fn finish_committed(ctx: &mut Context, generation: i32, kind: &str, gap: Option<Gap>) -> StepResult<Option<SnapshotResult>> {
+    let snap_txn = txn_full_snapshot(&ctx.workflow.app_id, generation);
+    let Some(found) = delta::txn_version(&ctx.bronze, &snap_txn.app_id).await? else { return Ok(None) };
+    if found < snap_txn.version {
+        return Ok(None);
+    }
+    let Some((version, meta)) = delta::find_txn_commit(&ctx.bronze, &snap_txn).await? else {
+        if found > snap_txn.version {
+            return Ok(None);
+        }
+        return Err(StepError::NeedsPerson(format!(
+            "bronze records the full snapshot of generation {generation} ({}) but its commit is no longer in the log: \
+             write its facts row by hand",
+            snap_txn.app_id
+        )));
+    };
+    let s = meta.get("snapshot_lsn").and_then(Value::as_str).and_then(|s| Lsn::parse(s).ok()).ok_or_else(|| {
+        StepError::Internal(format!("bronze commit {version} lacks its snapshot LSN"))
+    })?;
+    let rows = meta.get("rows").and_then(Value::as_i64).unwrap_or(0);
+    if kind == EVENT_RESNAPSHOT {
+        let min = ctx.source.min_lsn(&ctx.instance.name).await?;
+        let max = ctx.source.max_lsn().await?;
+        if is_purged_after(s, min, max) {
+            return Err(record_failed(ctx, generation, s, min, "its bronze commit is in, but CDC cleanup passed its LSN before its completion row was written").await);
+        }
+    }
+    tracing::warn!(snapshot = %s, generation, "bronze holds a full snapshot without its completion row (a crash between the two): writing it now");
+    write_completion(ctx, generation, kind, s, rows, Some(version), None, gap).await?;
+    Ok(Some(SnapshotResult { step: "snapshot", snapshot_lsn: s, rows, already_done: true, ranges: 0, duration_ms: 0 }))
+}
+
+/// Records a full snapshot that outlived the CDC retention (its own LSN was
+/// purged before its read ended, so the stream cannot go on from it) and
+/// returns the error that stops the step. Nothing of it is in bronze's
+/// snapshot image: the read is not committed (or, after a crash, never completed).
+pub async fn record_failed(ctx: &mut Context, generation: i32, s: Lsn, min_lsn: Option<Lsn>, why: &str) -> StepError {
+    let mut row = ctx.fact_row(generation.saturating_sub(1).max(0));
+    row.event = Some(EVENT_RESNAPSHOT_FAILED.into());
+    row.min_lsn = Some(s);
+    row.max_lsn = Some(s);
+    // When it failed, on the server's clock (the anti-loop guard's time):
+    // the commit time of max LSN now. S's own mapping row may be purged.
+    let now = match ctx.source.max_lsn().await {
+        Ok(Some(m)) => ctx.commit_time(m).await.ok().flatten(),
+        _ => None,
+    };
+    row.commit_ts = match now {
+        Some(t) => Some(t),
+        None => ctx.commit_time(s).await.ok().flatten(),
+    };
+    row.retention_watermark_ts = match min_lsn {
+        Some(m) => ctx.commit_time(m).await.ok().flatten(),
+        None => None,
+    };
+    row.detail = Some(json!({"mode": "full", "target_generation": generation, "reason": why, "failed_at": Utc::now()}));
+    if let Err(e) = super::stream::append_facts_untracked(ctx, vec![row]).await {
+        return e;
+    }
+    StepError::NeedsPerson(format!(
+        "the full snapshot at {s} for generation {generation} took longer than the CDC retention ({why}): the stream cannot \
+         go on from it. Read the table within the retention: set snapshot.mode = \"chunked\" (the stream reads the changes \
+         from S while backfill reads the chunks, so S cannot be purged) and rerun with --resnapshot-interval-days 0, which \
+         opens the same generation; or raise the CDC retention"
+    ))
+}
+
+/// Takes a full snapshot for `generation`: the open row, the read of the
+/// whole table at S = max LSN, one bronze commit, the completion row
+/// (`bootstrap` or `resnapshot`, with the gap it closes).
+pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Option<Gap>) -> StepResult<SnapshotResult> {
+    let started = Instant::now();
+    let app = ctx.workflow.app_id.clone();
+    let snap_txn = txn_full_snapshot(&app, generation);
     let s = ctx.source.max_lsn().await?.ok_or_else(|| {
         StepError::Temporary("the capture job has not recorded any LSN yet (max LSN is NULL): call again once it has run".into())
     })?;
     let commit_ts = ctx.commit_time(s).await?;
-    let open = FactRow {
-        app_id: app.clone(),
-        table: ctx.workflow.table_name().to_string(),
-        target: ctx.workflow.target.bronze.clone(),
-        generation,
-        event: Some(EVENT_SNAPSHOT_OPEN.into()),
-        capture_instance: Some(ctx.instance.name.clone()),
-        min_lsn: Some(s),
-        max_lsn: Some(s),
-        commit_ts,
-        detail: Some(json!({"mode": "full", "kind": "bootstrap", "generation": generation})),
-        recorded_at: Some(chrono::Utc::now()),
-        ..Default::default()
-    };
+    let mut open = ctx.fact_row(generation);
+    open.event = Some(EVENT_SNAPSHOT_OPEN.into());
+    open.min_lsn = Some(s);
+    open.max_lsn = Some(s);
+    open.commit_ts = commit_ts;
+    open.lost_from_ts = gap.and_then(|g| g.lost_from_ts);
+    open.lost_to_ts = gap.and_then(|g| g.lost_to_ts);
+    open.detail = Some(json!({"mode": "full", "kind": kind, "generation": generation}));
     super::stream::append_facts_untracked(ctx, vec![open]).await?;
     failpoint!("snapshot.after_open");
     // A chunked open committed between our check and our open takes the
@@ -176,7 +262,7 @@ pub async fn ensure_bootstrap(ctx: &mut Context) -> StepResult<SnapshotResult> {
     let keys = ctx.snapshot_keys();
     let ranges = plan_ranges(ctx, &keys).await?;
     let n_ranges = ranges.len();
-    tracing::info!(snapshot = %s, ranges = n_ranges, "reading the table for a full snapshot");
+    tracing::info!(snapshot = %s, ranges = n_ranges, generation, kind, "reading the table for a full snapshot");
     let stamp = SnapshotStamp { snapshot: s, start_lsn: s, commit_ts, capture_instance: ctx.instance.name.clone(), chunk: None };
     let bronze_schema = ctx.bronze_schema()?;
     let (tx, rx) = mpsc::channel::<StepResult<RecordBatch>>(2 * n_ranges.max(1));
@@ -220,12 +306,37 @@ pub async fn ensure_bootstrap(ctx: &mut Context) -> StepResult<SnapshotResult> {
             c2.fetch_add(b.num_rows() as i64, std::sync::atomic::Ordering::Relaxed);
         }
     });
+    // Step 3 of the recovery (adr-0018): once every row is read and before
+    // the commit, is S still readable? A read that outlived the retention
+    // must not become the snapshot the stream continues from, so the writer
+    // gets an error instead of its end and commits nothing.
+    let purged = std::sync::Arc::new(std::sync::Mutex::new(None::<Option<Lsn>>));
+    let check = {
+        let source = ctx.source.clone();
+        let ci = ctx.instance.name.clone();
+        let purged = purged.clone();
+        futures::stream::once(async move {
+            let min = source.min_lsn(&ci).await?;
+            let max = source.max_lsn().await?;
+            if is_purged_after(s, min, max) {
+                *purged.lock().expect("lock") = Some(min);
+                return Err(StepError::Internal("the snapshot's LSN was purged during its read".into()));
+            }
+            Ok(None)
+        })
+        .filter_map(|r: StepResult<Option<RecordBatch>>| async move { r.transpose() })
+    };
+    let rows_stream = rows_stream.chain(check);
     // The row count is only known after the read, so the metadata names the
     // snapshot and the count is recorded from the stream as it passes.
-    let meta = json!({"kind": "snapshot", "mode": "full", "snapshot_lsn": s, "generation": generation, "capture_instance": ctx.instance.name});
+    let meta = json!({"kind": "snapshot", "mode": "full", "snapshot_lsn": s, "generation": generation, "event": kind, "capture_instance": ctx.instance.name});
     let appended = append_counted(ctx, rows_stream, bronze_schema, &snap_txn, meta, counted.clone()).await;
     for r in readers {
         let _ = r.await;
+    }
+    let purged_min = purged.lock().expect("lock").take();
+    if let Some(min) = purged_min {
+        return Err(record_failed(ctx, generation, s, min, "CDC cleanup passed its LSN before the read ended").await);
     }
     let appended = appended?;
     let rows = counted.load(std::sync::atomic::Ordering::Relaxed);
@@ -233,14 +344,14 @@ pub async fn ensure_bootstrap(ctx: &mut Context) -> StepResult<SnapshotResult> {
         Appended::Committed { table_version } => Some(table_version),
         Appended::Empty => None,
         Appended::AlreadyApplied { .. } => {
-            return Err(StepError::Temporary("another run committed this bootstrap snapshot meanwhile: call again".into()))
+            return Err(StepError::Temporary(format!("another run committed the full snapshot of generation {generation} meanwhile: call again")))
         }
     };
     failpoint!("snapshot.after_bronze");
     let duration_ms = started.elapsed().as_millis() as i64;
-    write_completion(ctx, generation, s, rows, bronze_version, Some(duration_ms)).await?;
+    write_completion(ctx, generation, kind, s, rows, bronze_version, Some(duration_ms), gap).await?;
     failpoint!("snapshot.after_event");
-    tracing::info!(snapshot = %s, rows, duration_ms, "bootstrap snapshot complete");
+    tracing::info!(snapshot = %s, rows, duration_ms, generation, kind, "full snapshot complete");
     Ok(SnapshotResult { step: "snapshot", snapshot_lsn: s, rows, already_done: false, ranges: n_ranges, duration_ms })
 }
 
@@ -266,25 +377,30 @@ where
     .await
 }
 
-/// Writes the snapshot's completion row ('bootstrap'), once per generation.
-async fn write_completion(ctx: &mut Context, generation: i32, s: Lsn, rows: i64, bronze_version: Option<i64>, duration_ms: Option<i64>) -> StepResult<()> {
-    let row = FactRow {
-        app_id: ctx.workflow.app_id.clone(),
-        table: ctx.workflow.table_name().to_string(),
-        target: ctx.workflow.target.bronze.clone(),
-        generation,
-        event: Some(EVENT_BOOTSTRAP.into()),
-        capture_instance: Some(ctx.instance.name.clone()),
-        min_lsn: Some(s),
-        max_lsn: Some(s),
-        rows: Some(rows),
-        duration_ms,
-        commit_ts: ctx.commit_time(s).await?,
-        bronze_version,
-        detail: Some(json!({"mode": "full"})),
-        recorded_at: Some(chrono::Utc::now()),
-        ..Default::default()
-    };
+/// Writes the snapshot's completion row (`bootstrap` or `resnapshot`), once per generation.
+#[allow(clippy::too_many_arguments)]
+async fn write_completion(
+    ctx: &mut Context,
+    generation: i32,
+    kind: &str,
+    s: Lsn,
+    rows: i64,
+    bronze_version: Option<i64>,
+    duration_ms: Option<i64>,
+    gap: Option<Gap>,
+) -> StepResult<()> {
+    let mut row = ctx.fact_row(generation);
+    row.event = Some(kind.into());
+    row.min_lsn = Some(s);
+    row.max_lsn = Some(s);
+    row.rows = Some(rows);
+    row.duration_ms = duration_ms;
+    row.commit_ts = ctx.commit_time(s).await?;
+    row.bronze_version = bronze_version;
+    row.lost_from_ts = gap.and_then(|g| g.lost_from_ts);
+    row.lost_to_ts = gap.and_then(|g| g.lost_to_ts);
+    row.retention_watermark_ts = gap.and_then(|g| g.lost_to_ts);
+    row.detail = Some(json!({"mode": "full"}));
     let txn = Txn::new(format!("{}#events", ctx.workflow.app_id), generation as i64);
     super::stream::append_facts(ctx, vec![row], &txn).await?;
     Ok(())

@@ -114,9 +114,26 @@ impl StreamState {
     }
 }
 
-/// The current generation: the highest any row names (0 for a new stream).
+/// The current generation: the highest a live row names (0 for a new stream).
+///
+/// A generation becomes live at its commit point: its completed snapshot
+/// (`bootstrap`/`resnapshot`), its chunked open (the stream starts at S at
+/// once), its recorded start, or a batch. A full re-snapshot's open row names
+/// the generation it is taken for but does not make it live: until its
+/// completion row the stream stays where it was, so a crash repeats the
+/// recovery from the recorded start.
 pub fn generation_of(rows: &[FactRow]) -> i32 {
-    rows.iter().map(|r| r.generation).max().unwrap_or(0)
+    rows.iter().filter(|r| makes_generation_live(r)).map(|r| r.generation).max().unwrap_or(0)
+}
+
+/// Whether a row marks its generation as the stream's live one (see [`generation_of`]).
+pub fn makes_generation_live(r: &FactRow) -> bool {
+    match r.event.as_deref() {
+        None => true,
+        Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT) | Some(EVENT_STREAM_START) => true,
+        Some(EVENT_SNAPSHOT_OPEN) => r.detail.as_ref().and_then(|d| d.get("mode")).and_then(serde_json::Value::as_str) == Some("chunked"),
+        _ => false,
+    }
 }
 
 /// Reads this app id's facts rows.

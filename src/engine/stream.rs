@@ -19,13 +19,13 @@ use serde_json::{json, Value};
 
 use super::state::{self, StreamState, EVENT_STREAM_START};
 use super::Context;
-use crate::delta::facts::{self, FactRow};
+use crate::delta::facts::{self, FactRow, EVENT_DATA_SKIPPED};
 use crate::delta::{self, bronze, Appended, Txn};
 use crate::error::{StepError, StepResult};
 use crate::failpoint;
 use crate::lsn::Lsn;
 use crate::source::CHANGE_START_LSN;
-use crate::workflow::SnapshotMode;
+use crate::workflow::{OnDataLoss, SnapshotMode};
 
 /// What the next batch should do, decided from the position and the source's bounds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,6 +69,11 @@ pub struct StreamResult {
     pub call_again: bool,
     pub repaired_batches: Vec<i64>,
     pub bootstrap: Option<Value>,
+    /// The recovery this call made after finding the next range purged
+    /// (`on_data_loss = "resnapshot"`): the gap, the new generation and its snapshot.
+    pub recovery: Option<super::recover::RecoveryResult>,
+    /// Purged ranges this call skipped (`on_data_loss = "skip"`), as their `data_skipped` rows say.
+    pub skipped: Vec<Value>,
 }
 
 /// Runs the `stream` step: bootstrap first when configured, then batches.
@@ -110,37 +115,130 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
         call_again: false,
         repaired_batches: repaired,
         bootstrap,
+        recovery: None,
+        skipped: Vec::new(),
     };
     let ci = ctx.instance.name.clone();
     // The call reads up to the max LSN it found when it started: a writer that
     // never pauses cannot keep one call running forever. The next call picks
     // up what arrived meanwhile.
-    let max = ctx.source.max_lsn().await?;
+    let mut max = ctx.source.max_lsn().await?;
     result.source_max_lsn = max;
+    let on_loss = ctx.workflow.stream.on_data_loss;
     loop {
         if result.batches >= ctx.workflow.stream.max_batches {
             result.call_again = true;
             break;
         }
         let min = ctx.source.min_lsn(&ci).await?;
-        match decide(position, max, min) {
+        let (from, to_max, mut skips) = match decide(position, max, min) {
             BatchDecision::CaughtUp => {
                 result.caught_up = true;
                 break;
             }
-            BatchDecision::Purged { next, min_lsn } => return Err(data_loss(ctx, position, next, min_lsn).await),
-            BatchDecision::Read { from, to_max } => {
-                let batch_id = st.next_batch_id();
-                let fact = run_batch(ctx, &st, batch_id, from, to_max, max).await?;
+            BatchDecision::Read { from, to_max } => (from, to_max, Vec::new()),
+            BatchDecision::Purged { next, min_lsn } => match on_loss {
+                OnDataLoss::Fail => return Err(data_loss(ctx, position, next, min_lsn).await),
+                OnDataLoss::Resnapshot => {
+                    if result.recovery.is_some() {
+                        // One recovery per call: a second loss right after one
+                        // means cleanup outruns the stream; the next call's guard decides.
+                        return Err(data_loss(ctx, position, next, min_lsn).await);
+                    }
+                    let loss = super::recover::Loss { position, next, min_lsn };
+                    let r = super::recover::recover(ctx, &st, loss, ctx.workflow.stream.resnapshot_interval_days).await?;
+                    st = state::load(ctx).await?;
+                    position = st.position().ok_or_else(|| StepError::Internal("the new generation has no position after its recovery".into()))?;
+                    result.generation = st.generation;
+                    result.position = Some(position);
+                    result.recovery = Some(r);
+                    // The snapshot's LSN is at or past the max LSN this call
+                    // started with: read up to the max LSN of now.
+                    max = ctx.source.max_lsn().await?;
+                    result.source_max_lsn = max;
+                    continue;
+                }
+                OnDataLoss::Skip => {
+                    let to_max = max.map_or(min_lsn, |m| m.max(min_lsn));
+                    let lost_from_ts = super::recover::position_time(ctx, &st, position).await?;
+                    let skip = Skip {
+                        from: next,
+                        to: min_lsn,
+                        certain: true,
+                        reason: "the range was purged by CDC cleanup before the batch read it".into(),
+                        lost_from_ts,
+                        lost_to_ts: ctx.commit_time(min_lsn).await?,
+                    };
+                    tracing::warn!(from = %next, to = %min_lsn, "on_data_loss = skip: the changes in between were purged; skipping ahead and recording the gap");
+                    (min_lsn, to_max, vec![skip])
+                }
+            },
+        };
+        let batch_id = st.next_batch_id();
+        match run_batch(ctx, &st, batch_id, from, to_max, max, &mut skips).await? {
+            BatchOutcome::Committed(fact) => {
                 result.batches += 1;
                 result.rows += fact.rows.unwrap_or(0);
                 position = fact.max_lsn.expect("a batch has a max LSN");
                 result.position = Some(position);
+                result.skipped.extend(skips.iter().map(Skip::describe));
                 st.last_batch = Some(fact);
             }
+            BatchOutcome::PurgedDuringRead { min_lsn } => match on_loss {
+                // Nothing of the batch was committed; the guard at the top of
+                // the loop finds the loss again and recovers.
+                OnDataLoss::Resnapshot if result.recovery.is_none() => continue,
+                _ => return Err(data_loss(ctx, from.decrement(), from, min_lsn).await),
+            },
         }
     }
     Ok(result)
+}
+
+/// A purged range a batch skips (`on_data_loss = "skip"`), recorded as a
+/// `data_skipped` row in the batch's facts commit (adr-0018 Amendment 3).
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct Skip {
+    /// The first LSN the stream needed.
+    pub from: Lsn,
+    /// The min LSN the capture instance had: where the batch read from.
+    pub to: Lsn,
+    /// True when the range was purged before the read (the skip is certain);
+    /// false when cleanup ran during the read (rows of it may be missing).
+    pub certain: bool,
+    pub reason: String,
+    pub lost_from_ts: Option<chrono::DateTime<chrono::Utc>>,
+    pub lost_to_ts: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+impl Skip {
+    fn describe(&self) -> Value {
+        json!({"from": self.from, "to": self.to, "certain": self.certain})
+    }
+
+    /// The `data_skipped` row of batch `batch_id`.
+    fn fact_row(&self, ctx: &Context, generation: i32, batch_id: i64) -> FactRow {
+        let mut row = ctx.fact_row(generation);
+        row.batch_id = Some(batch_id);
+        row.event = Some(EVENT_DATA_SKIPPED.into());
+        row.min_lsn = Some(self.to);
+        row.max_lsn = Some(self.to);
+        row.rows = Some(0);
+        row.commit_ts = self.lost_to_ts;
+        row.lost_from_ts = self.lost_from_ts;
+        row.lost_to_ts = self.lost_to_ts;
+        row.retention_watermark_ts = self.lost_to_ts;
+        row.detail = Some(json!({"from": self.from, "to": self.to, "certain": self.certain, "reason": self.reason}));
+        row
+    }
+}
+
+/// How a batch ended.
+enum BatchOutcome {
+    Committed(FactRow),
+    /// CDC cleanup passed the batch's first LSN while it read (fail and
+    /// resnapshot modes): nothing was committed.
+    PurgedDuringRead { min_lsn: Lsn },
 }
 
 /// The error for a purged next range, with the times that name the gap.
@@ -158,9 +256,15 @@ pub async fn data_loss(ctx: &Context, position: Lsn, next: Lsn, min_lsn: Lsn) ->
         next,
         min_lsn,
         times,
-        advice: "Take a new snapshot into a new target (or a new app_id), or raise the CDC retention \
-                 (sys.sp_cdc_change_job @retention) so the stream keeps up."
-            .into(),
+        advice: match ctx.workflow.stream.on_data_loss {
+            OnDataLoss::Fail => "Set stream.on_data_loss = \"resnapshot\" to recover with a new snapshot in a new generation \
+                                 (or \"skip\" to go on past the gap), take a new snapshot into a new target, or raise the \
+                                 CDC retention (sys.sp_cdc_change_job @retention) so the stream keeps up."
+                .into(),
+            _ => "CDC cleanup passed the stream again right after a recovery: call the step again (its anti-loop guard \
+                  decides), and raise the CDC retention or run the stream more often."
+                .into(),
+        },
     }
 }
 
@@ -250,14 +354,25 @@ async fn repair(ctx: &mut Context, st: &StreamState) -> StepResult<Vec<i64>> {
             recorded_at: Some(chrono::Utc::now()),
             ..Default::default()
         };
-        append_facts(ctx, vec![row], &Txn::new(format!("{}#facts", st.generation_app_id), batch_id)).await?;
+        let skips: Vec<Skip> = meta.get("skipped").cloned().map(serde_json::from_value).transpose().ok().flatten().unwrap_or_default();
+        let mut rows_out = vec![row];
+        rows_out.extend(skips.iter().map(|k| k.fact_row(ctx, st.generation, batch_id)));
+        append_facts(ctx, rows_out, &Txn::new(format!("{}#facts", st.generation_app_id), batch_id)).await?;
         repaired.push(batch_id);
     }
     Ok(repaired)
 }
 
 /// Reads, commits and records one micro-batch.
-async fn run_batch(ctx: &mut Context, st: &StreamState, batch_id: i64, from: Lsn, to_max: Lsn, source_max: Option<Lsn>) -> StepResult<FactRow> {
+async fn run_batch(
+    ctx: &mut Context,
+    st: &StreamState,
+    batch_id: i64,
+    from: Lsn,
+    to_max: Lsn,
+    source_max: Option<Lsn>,
+    skips: &mut Vec<Skip>,
+) -> StepResult<BatchOutcome> {
     let started = Instant::now();
     let limit = ctx.workflow.stream.max_batch_rows;
     let filter = ctx.workflow.stream.row_filter.into();
@@ -296,11 +411,22 @@ async fn run_batch(ctx: &mut Context, st: &StreamState, batch_id: i64, from: Lsn
     // Cleanup may have run during the read: rows of the range could be gone.
     if let Some(min) = ctx.source.min_lsn(&ctx.instance.name).await? {
         if from < min {
-            return Err(data_loss(ctx, from.decrement(), from, min).await);
+            if ctx.workflow.stream.on_data_loss != OnDataLoss::Skip {
+                return Ok(BatchOutcome::PurgedDuringRead { min_lsn: min });
+            }
+            tracing::warn!(from = %from, min_lsn = %min, "CDC cleanup ran during the read: rows of the range may be missing; recording a possible loss");
+            skips.push(Skip {
+                from,
+                to: min,
+                certain: false,
+                reason: "CDC cleanup passed the range's first LSN during the read: some of its rows may be missing".into(),
+                lost_from_ts: super::recover::position_time(ctx, st, from.decrement()).await?,
+                lost_to_ts: ctx.commit_time(min).await?,
+            });
         }
     }
     let to = cut_at.unwrap_or(to_max);
-    let meta = json!({
+    let mut meta = json!({
         "kind": "batch",
         "batch_id": batch_id,
         "generation": st.generation,
@@ -310,6 +436,9 @@ async fn run_batch(ctx: &mut Context, st: &StreamState, batch_id: i64, from: Lsn
         "capture_instance": ctx.instance.name,
         "source_max_lsn": source_max,
     });
+    if !skips.is_empty() {
+        meta["skipped"] = json!(skips);
+    }
     let txn = Txn::new(st.generation_app_id.clone(), batch_id);
     let bronze_version = if rows > 0 {
         match delta::append_batches(&mut ctx.bronze, out, bronze_schema, &txn, meta).await? {
@@ -354,10 +483,14 @@ async fn run_batch(ctx: &mut Context, st: &StreamState, batch_id: i64, from: Lsn
         recorded_at: Some(chrono::Utc::now()),
         ..Default::default()
     };
-    append_facts(ctx, vec![row.clone()], &Txn::new(format!("{}#facts", st.generation_app_id), batch_id)).await?;
+    // The gap rows go in the batch's own facts commit: a replayed batch
+    // (same txn) writes them once, and a batch that never commits leaves none.
+    let mut rows_out = vec![row.clone()];
+    rows_out.extend(skips.iter().map(|k| k.fact_row(ctx, st.generation, batch_id)));
+    append_facts(ctx, rows_out, &Txn::new(format!("{}#facts", st.generation_app_id), batch_id)).await?;
     failpoint!("stream.after_facts");
     tracing::info!(batch_id, rows, from = %from, to = %to, "batch committed");
-    Ok(row)
+    Ok(BatchOutcome::Committed(row))
 }
 
 fn lsn_at(a: &FixedSizeBinaryArray, i: usize) -> Lsn {

@@ -1,0 +1,322 @@
+//! Recovery after CDC data loss (`stream.on_data_loss = "resnapshot"`, adr-0018).
+//!
+//! A stream stopped for longer than the CDC retention finds the changes after
+//! its position purged. Instead of stopping for a person, the `stream` step
+//! takes a new snapshot, moves to generation n + 1 (app id `<app>.g<n+1>`,
+//! batch ids from 0) and streams on from the snapshot's LSN S.
+//!
+//! Order (each write a commit with its txn, a failpoint after it):
+//! 1. **Reuse** a full re-snapshot of generation n + 1 already in bronze (a
+//!    crash after its commit, before its completion row) unless cleanup has
+//!    passed its S since.
+//! 2. **Anti-loop guard** ([`guard`], pure): a loss within
+//!    `resnapshot_interval_days` of an earlier recovery or of a failed
+//!    re-snapshot stops with exit 3 naming it. Times are the server's, as CDC
+//!    records them (commit times of LSNs), never the writer's clock: the
+//!    simulator's clock and a production server's agree with their own LSNs.
+//! 3. **The recovery row** (`recovery`, txn `<app>#recovery` + n + 1): the
+//!    position it starts from and the gap. Written once: a rerun after a crash
+//!    reads the gap back from it, so the recovery repeats from the recorded
+//!    start, not from whatever the facts say later.
+//! 4. **The snapshot**: full (read now at S, not committed if cleanup passed S
+//!    before the read ended: a `resnapshot_failed` row, exit 3) or chunked
+//!    (opened at S, read by `backfill`, completed by a `resnapshot` row).
+//! 5. **The commit point** is the row that makes generation n + 1 live: the
+//!    full snapshot's `resnapshot` row (txn `<app>#events` + n + 1) or the
+//!    chunked open (txn `<app>#snapshots` + n + 1). Before it, the stream is
+//!    still generation n at its old position, so a rerun finds the same loss
+//!    and resumes here; after it, the stream reads from S.
+//!
+//! There is no lock: two runs recovering one stream at once waste a snapshot,
+//! but the txn ids keep one recovery row and one completion per generation.
+
+use chrono::{DateTime, Duration, Utc};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use super::snapshot::{self, Gap};
+use super::state::{self, StreamState};
+use super::Context;
+use crate::delta::facts::{FactRow, EVENT_RECOVERY, EVENT_RESNAPSHOT, EVENT_RESNAPSHOT_FAILED};
+use crate::delta::{Appended, Txn};
+use crate::error::{StepError, StepResult};
+use crate::failpoint;
+use crate::lsn::Lsn;
+use crate::workflow::SnapshotMode;
+
+/// A purged range the retention guard found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Loss {
+    /// The last position the stream processed.
+    pub position: Lsn,
+    /// The next LSN it needed.
+    pub next: Lsn,
+    /// The capture instance's min LSN when the loss was found.
+    pub min_lsn: Lsn,
+}
+
+/// An earlier recovery or failed re-snapshot the anti-loop guard counts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Previous {
+    pub what: &'static str,
+    pub generation: i32,
+    pub at: DateTime<Utc>,
+}
+
+/// The anti-loop guard, as a pure function: the newest earlier recovery (for
+/// another target generation than `target`) or failed re-snapshot (any) that
+/// lies within `interval_days` before `now`. None: the recovery may go on.
+///
+/// Counting recoveries, not completed re-snapshots, covers a chunked
+/// re-snapshot still being read and a full one that failed; excluding the
+/// recovery for `target` itself lets a crashed recovery resume.
+pub fn guard(rows: &[FactRow], target: i32, now: DateTime<Utc>, interval_days: f64) -> Option<Previous> {
+    if interval_days <= 0.0 {
+        return None;
+    }
+    let interval = Duration::milliseconds((interval_days * 86_400_000.0) as i64);
+    rows.iter()
+        .filter_map(|r| {
+            let at = r.commit_ts?;
+            match r.event.as_deref() {
+                Some(EVENT_RECOVERY) => {
+                    let g = target_generation(r)?;
+                    (g != target).then_some(Previous { what: "an automatic re-snapshot", generation: g, at })
+                }
+                Some(EVENT_RESNAPSHOT_FAILED) => {
+                    Some(Previous { what: "a failed re-snapshot", generation: target_generation(r).unwrap_or(r.generation), at })
+                }
+                _ => None,
+            }
+        })
+        .filter(|p| now - p.at < interval)
+        .max_by_key(|p| p.at)
+}
+
+fn target_generation(r: &FactRow) -> Option<i32> {
+    r.detail.as_ref()?.get("target_generation")?.as_i64().map(|g| g as i32)
+}
+
+/// The recovery row for generation `target`, if one was written.
+pub fn recovery_row(rows: &[FactRow], target: i32) -> Option<&FactRow> {
+    rows.iter().find(|r| r.event.as_deref() == Some(EVENT_RECOVERY) && target_generation(r) == Some(target))
+}
+
+/// Automatic re-snapshots completed so far (`resnapshot` rows that close a gap).
+pub fn resnapshots(rows: &[FactRow]) -> usize {
+    rows.iter().filter(|r| r.event.as_deref() == Some(EVENT_RESNAPSHOT) && r.lost_to_ts.is_some()).count()
+}
+
+/// What a recovery did, for the step's JSON.
+#[derive(Debug, Clone, Serialize)]
+pub struct RecoveryResult {
+    pub from_generation: i32,
+    pub generation: i32,
+    pub mode: &'static str,
+    /// The position the stream had processed when the loss was found.
+    pub lost_after: Lsn,
+    pub min_lsn: Lsn,
+    pub lost_from_ts: Option<DateTime<Utc>>,
+    pub lost_to_ts: Option<DateTime<Utc>>,
+    /// The new snapshot's LSN: the new generation streams from here.
+    pub snapshot_lsn: Lsn,
+    /// Rows the full re-snapshot read (a chunked one is read by `backfill`).
+    pub rows: Option<i64>,
+    /// True when a crashed attempt's snapshot was completed, not read again.
+    pub resumed: bool,
+}
+
+/// The commit time of the stream's position: from the source's mapping while
+/// it still has it, else from the facts row that recorded the position
+/// (cleanup deletes mapping rows below the retention too).
+pub async fn position_time(ctx: &Context, st: &StreamState, position: Lsn) -> StepResult<Option<DateTime<Utc>>> {
+    if let Some(t) = ctx.commit_time(position).await? {
+        return Ok(Some(t));
+    }
+    if let Some(t) = st.last_batch.as_ref().filter(|b| b.max_lsn == Some(position)).and_then(|b| b.commit_ts) {
+        return Ok(Some(t));
+    }
+    let rows = state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
+    Ok(rows.iter().filter(|r| r.max_lsn == Some(position)).find_map(|r| r.commit_ts))
+}
+
+/// Recovers the stream from `loss`: see the module docs for the order.
+pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_days: f64) -> StepResult<RecoveryResult> {
+    let app = ctx.workflow.app_id.clone();
+    let target = st.generation + 1;
+    let mode = ctx.workflow.snapshot.mode;
+    let rows = state::facts_rows(&ctx.facts, &app).await?;
+    let recorded = recovery_row(&rows, target).cloned();
+    tracing::warn!(position = %loss.position, min_lsn = %loss.min_lsn, generation = st.generation, target,
+        resumed = recorded.is_some(), "the changes after the stream's position were purged: recovering with a new snapshot");
+    let gap = match &recorded {
+        Some(r) => Gap { lost_from_ts: r.lost_from_ts, lost_to_ts: r.lost_to_ts },
+        None => Gap {
+            lost_from_ts: position_time(ctx, st, loss.position).await?,
+            lost_to_ts: ctx.commit_time(loss.min_lsn).await?,
+        },
+    };
+    let lost_after = recorded.as_ref().and_then(|r| r.min_lsn).unwrap_or(loss.position);
+    let mut result = RecoveryResult {
+        from_generation: st.generation,
+        generation: target,
+        mode: if mode == SnapshotMode::Chunked { "chunked" } else { "full" },
+        lost_after,
+        min_lsn: loss.min_lsn,
+        lost_from_ts: gap.lost_from_ts,
+        lost_to_ts: gap.lost_to_ts,
+        snapshot_lsn: loss.min_lsn,
+        rows: None,
+        resumed: recorded.is_some(),
+    };
+    // 1. Reuse: a full re-snapshot of the target generation already in bronze.
+    if let Some(done) = snapshot::finish_committed(ctx, target, EVENT_RESNAPSHOT, Some(gap)).await? {
+        result.snapshot_lsn = done.snapshot_lsn;
+        result.rows = Some(done.rows);
+        result.resumed = true;
+        return Ok(result);
+    }
+    // 2. The anti-loop guard, on the server's clock.
+    let max = ctx.source.max_lsn().await?;
+    let now = match max {
+        Some(m) => ctx.commit_time(m).await?,
+        None => None,
+    };
+    if let Some(now) = now {
+        if let Some(p) = guard(&rows, target, now, interval_days) {
+            return Err(StepError::NeedsPerson(format!(
+                "the changes after {} were purged by CDC cleanup (capture instance '{}', min LSN now {}), and {} \
+                 (generation {}) happened at {}, within stream.resnapshot_interval_days = {interval_days} of now ({now}): \
+                 the stream cannot keep up, stops for longer than the retention again and again, or cannot read the table \
+                 within it. Decide what to change (the retention, the schedule, snapshot.mode = \"chunked\"), then rerun with \
+                 --resnapshot-interval-days 0 to re-snapshot now",
+                loss.position, ctx.instance.name, loss.min_lsn, p.what, p.generation, p.at
+            )));
+        }
+    }
+    // 3. The recovery row: the start and the gap, once per target generation.
+    if recorded.is_none() {
+        let mut row = ctx.fact_row(st.generation);
+        row.event = Some(EVENT_RECOVERY.into());
+        row.min_lsn = Some(loss.position);
+        row.max_lsn = Some(loss.position);
+        row.commit_ts = now;
+        row.lost_from_ts = gap.lost_from_ts;
+        row.lost_to_ts = gap.lost_to_ts;
+        row.retention_watermark_ts = gap.lost_to_ts;
+        row.source_max_lsn = max;
+        row.detail = Some(json!({
+            "target_generation": target,
+            "mode": result.mode,
+            "next": loss.next,
+            "min_lsn": loss.min_lsn,
+            "interval_days": interval_days,
+        }));
+        let txn = Txn::new(format!("{app}#recovery"), target as i64);
+        if let Appended::AlreadyApplied { .. } = super::stream::append_facts(ctx, vec![row], &txn).await? {
+            tracing::warn!(target, "another run recorded this recovery meanwhile: going on with it");
+        }
+        failpoint!("recover.after_recovery_row");
+    }
+    // 4 and 5. The snapshot, whose commit point makes the target generation live.
+    match mode {
+        SnapshotMode::Full => {
+            let r = snapshot::take_full(ctx, target, EVENT_RESNAPSHOT, Some(gap)).await?;
+            result.snapshot_lsn = r.snapshot_lsn;
+            result.rows = Some(r.rows);
+        }
+        SnapshotMode::Chunked => {
+            // A full re-snapshot of the target generation still being read
+            // holds the mode (adr-0018 Amendment 2); a completed one would
+            // have made the generation live and this recovery would not run.
+            let min = ctx.source.min_lsn(&ctx.instance.name).await?;
+            if let Some(full) = super::chunked::full_open_of(&rows, target, min) {
+                return Err(super::chunked::mode_conflict(&full, super::chunked::Mode::Chunked));
+            }
+            let r = super::chunked::ensure_open_with_gap(ctx, EVENT_RESNAPSHOT, target, Some(gap)).await?;
+            result.snapshot_lsn = r.snapshot_lsn;
+        }
+    }
+    tracing::info!(generation = target, snapshot = %result.snapshot_lsn, mode = result.mode, "recovered: the stream goes on from the new snapshot");
+    Ok(result)
+}
+
+/// The detail JSON of a recovery, for logs and the step's result.
+pub fn describe(r: &RecoveryResult) -> Value {
+    serde_json::to_value(r).unwrap_or(Value::Null)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(days: f64) -> DateTime<Utc> {
+        DateTime::from_timestamp(1_700_000_000, 0).unwrap() + Duration::milliseconds((days * 86_400_000.0) as i64)
+    }
+
+    fn recovery(target: i32, at: f64) -> FactRow {
+        FactRow {
+            app_id: "a".into(),
+            generation: target - 1,
+            event: Some(EVENT_RECOVERY.into()),
+            commit_ts: Some(t(at)),
+            detail: Some(json!({"target_generation": target})),
+            ..Default::default()
+        }
+    }
+
+    fn failed(target: i32, at: f64) -> FactRow {
+        FactRow {
+            app_id: "a".into(),
+            generation: target - 1,
+            event: Some(EVENT_RESNAPSHOT_FAILED.into()),
+            commit_ts: Some(t(at)),
+            detail: Some(json!({"target_generation": target})),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn first_loss_passes() {
+        assert_eq!(guard(&[], 1, t(0.0), 7.0), None);
+    }
+
+    #[test]
+    fn a_second_loss_within_the_interval_stops() {
+        let rows = vec![recovery(1, 0.0)];
+        let p = guard(&rows, 2, t(3.5), 7.0).expect("within 7 days");
+        assert_eq!(p.generation, 1);
+        assert_eq!(p.what, "an automatic re-snapshot");
+        // After the interval, or with interval 0, it passes.
+        assert_eq!(guard(&rows, 2, t(7.01), 7.0), None);
+        assert_eq!(guard(&rows, 2, t(3.5), 0.0), None);
+    }
+
+    #[test]
+    fn the_recovery_being_resumed_does_not_count() {
+        // A crash after the recovery row: the rerun for the same target passes.
+        assert_eq!(guard(&[recovery(1, 0.0)], 1, t(0.1), 7.0), None);
+    }
+
+    #[test]
+    fn a_failed_attempt_counts_even_for_its_own_generation() {
+        let rows = vec![recovery(1, 0.0), failed(1, 0.2)];
+        let p = guard(&rows, 1, t(0.3), 7.0).expect("a failed attempt stops the rerun");
+        assert_eq!(p.what, "a failed re-snapshot");
+        assert_eq!(guard(&rows, 1, t(0.3), 0.0), None);
+    }
+
+    #[test]
+    fn the_newest_previous_is_named() {
+        let rows = vec![recovery(1, 0.0), recovery(2, 2.0)];
+        assert_eq!(guard(&rows, 3, t(3.0), 7.0).unwrap().generation, 2);
+    }
+
+    #[test]
+    fn resnapshots_count_only_gap_closing_rows() {
+        let mut r = FactRow { event: Some(EVENT_RESNAPSHOT.into()), ..Default::default() };
+        assert_eq!(resnapshots(std::slice::from_ref(&r)), 0); // a reseed's row has no gap
+        r.lost_to_ts = Some(t(0.0));
+        assert_eq!(resnapshots(&[r]), 1);
+    }
+}
