@@ -144,6 +144,44 @@ fn purged_range_exits_3_naming_the_gap() {
 }
 
 #[test]
+fn resnapshot_mode_recovers_through_the_cli_and_the_guard_exits_3() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut s = Scenario::new(8, "[snapshot]\nbootstrap = true\n[stream]\non_data_loss = \"resnapshot\"\n");
+    let wf = s.wf_path.to_str().unwrap().to_string();
+    // A bad override and a bad option are refused before anything is written.
+    let out = run(&["--workflow", &wf, "stream", "--resnapshot-interval-days", "-1"]);
+    assert_eq!(out.status.code(), Some(2), "{}", last_json(&out));
+    nothing_written(&s);
+    s.write_workflow("[snapshot]\nbootstrap = true\n[stream]\non_data_loss = \"later\"\n");
+    expect_config_error(&s, "on_data_loss");
+    nothing_written(&s);
+    s.write_workflow("[snapshot]\nbootstrap = true\n[stream]\non_data_loss = \"resnapshot\"\n");
+    rt.block_on(s.stream()).unwrap();
+    for round in 0..2 {
+        s.changes(5);
+        s.db.advance_clock(std::time::Duration::from_secs(4 * 24 * 3600)).unwrap();
+        s.changes(3);
+        s.db.capture().unwrap();
+        s.db.cleanup(None).unwrap();
+        let out = run(&["--workflow", &wf, "stream"]);
+        let j = last_json(&out);
+        if round == 0 {
+            assert_eq!(out.status.code(), Some(0), "{j}");
+            assert_eq!(j["recovery"]["generation"], 1, "{j}");
+            assert_eq!(j["generation"], 1);
+        } else {
+            // Four days after the first recovery: within the 7-day interval.
+            assert_eq!(out.status.code(), Some(3), "{j}");
+            assert!(j["error"].as_str().unwrap().contains("--resnapshot-interval-days 0"), "{j}");
+            let out = run(&["--workflow", &wf, "stream", "--resnapshot-interval-days", "0"]);
+            let j = last_json(&out);
+            assert_eq!(out.status.code(), Some(0), "{j}");
+            assert_eq!(j["recovery"]["generation"], 2, "{j}");
+        }
+    }
+}
+
+#[test]
 fn backfill_through_the_cli_until_done_and_its_bad_flags() {
     let s = Scenario::new(40, "[snapshot]\nbootstrap = true\nmode = \"chunked\"\nparallelism = 2\nchunk_rows = 10\n");
     let wf = s.wf_path.to_str().unwrap();

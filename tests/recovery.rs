@@ -296,3 +296,25 @@ async fn golden_log_of_a_chunked_recovery() {
     let log = s.golden().await;
     golden_settings!().bind(|| insta::assert_snapshot!("golden_recovery_chunked", log));
 }
+
+/// The two demo scenarios end to end, small: no person involved, a re-snapshot, no difference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_data_loss_demos_recover_with_no_difference() {
+    let _fp = fail::FailScenario::setup();
+    for scenario in [mssql_cdc::demo::DemoScenario::DataLoss, mssql_cdc::demo::DemoScenario::DataLossChunked] {
+        let dir = tempfile::tempdir().unwrap();
+        let args = mssql_cdc::demo::DemoArgs {
+            rows: 3_000,
+            dir: dir.path().join("demo"),
+            scenario,
+            stream_seconds: 2,
+            writer_tx_per_s: 100.0,
+            seed: 7,
+        };
+        let (out, ok) = mssql_cdc::demo::run(args).await.unwrap();
+        assert!(ok, "{out}");
+        assert_eq!(out["differences"], 0, "{out}");
+        assert!(out["resnapshots"].as_u64().unwrap() >= 1, "{out}");
+        assert_eq!(out["generation"], 1, "{out}");
+    }
+}
