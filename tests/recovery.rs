@@ -318,3 +318,52 @@ async fn the_data_loss_demos_recover_with_no_difference() {
         assert_eq!(out["generation"], 1, "{out}");
     }
 }
+
+/// A capture-instance switch mid-stream with a column added (what the seeds
+/// take from 0023): the old instance is read up to the new one's start, the
+/// new one from there, bronze gains the column, no change is lost, and the
+/// switch and the schema change are facts rows of the batch that first reads it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capture_instance_switch_mid_stream_with_a_column_added_loses_nothing() {
+    use mssql_cdc::types::{ColumnDesc, SqlType, SqlValue};
+    let _fp = fail::FailScenario::setup();
+    let mut s = Scenario::new(20, "[snapshot]\nbootstrap = true\n[stream]\nmax_batch_rows = 1000\n");
+    s.stream_until_caught_up().await;
+    s.changes(5);
+    s.stream().await.unwrap();
+    s.changes(4); // on the old instance only, not read yet
+    s.db.add_column(&s.table, ColumnDesc::new("note", SqlType::NVarChar { len: Some(20) }, true)).unwrap();
+    s.db.enable_cdc(&s.table, Some("dbo_items_v2"), None).unwrap();
+    let table = s.table.clone();
+    let row = |id: i64, v: i64| {
+        let mut r = common::item_row(id, v);
+        r.push(SqlValue::Str(format!("note {id}.{v}")));
+        r
+    };
+    let k = s.db.keys(&table).unwrap()[0].clone();
+    let kid = k[0].as_i64().unwrap();
+    s.db.transaction(|tx| {
+        tx.insert(&table, row(900, 1))?;
+        tx.update(&table, &k, row(kid, 9))
+    })
+    .unwrap();
+    s.db.capture().unwrap();
+    s.stream_until_caught_up().await;
+    // The old instance goes; the stream is already past the switch.
+    s.db.disable_instance("dbo_items").unwrap();
+    s.db.transaction(|tx| tx.insert(&table, row(901, 1))).unwrap();
+    s.stream_until_caught_up().await;
+    let cmp = s.verify().await;
+    assert_eq!(cmp.differences(), 0, "{cmp:?}");
+    assert_eq!(s.duplicate_change_rows().await, 0);
+    assert_eq!(s.count("bronze", &format!("note = 'note {kid}.9'")).await, 1, "bronze holds the added column");
+    assert_eq!(s.count("bronze", "_capture_instance = 'dbo_items_v2' AND _operation <> 0").await, 3, "insert, update, insert");
+    let rows = facts(&s).await;
+    let switched = events(&rows, "capture_instance_switched");
+    assert_eq!(switched.len(), 1, "{switched:?}");
+    assert_eq!(switched[0].detail.as_ref().unwrap()["to"], "dbo_items_v2");
+    assert!(switched[0].batch_id.is_some());
+    let change = events(&rows, "schema_change");
+    assert_eq!(change.len(), 1);
+    assert_eq!(change[0].detail.as_ref().unwrap()["added"], serde_json::json!(["note"]));
+}

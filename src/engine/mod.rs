@@ -17,6 +17,7 @@ pub mod snapshot;
 pub mod state;
 pub mod status;
 pub mod stream;
+pub mod switch;
 
 use std::collections::HashMap;
 use std::path::Path;

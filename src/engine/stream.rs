@@ -118,7 +118,15 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
         recovery: None,
         skipped: Vec::new(),
     };
-    let ci = ctx.instance.name.clone();
+    // The instance the stream is on (it follows newer ones unless the
+    // workflow pins one; see `engine::switch`).
+    let follow_instances = ctx.workflow.table.capture_instance.is_none();
+    let mut instances = Vec::new();
+    if follow_instances {
+        instances = ctx.source.capture_instances(&ctx.workflow.table_name()).await?;
+        let recorded = st.last_batch.as_ref().and_then(|b| b.capture_instance.clone());
+        ctx.instance = super::switch::current(recorded.as_deref(), &instances, &ctx.instance).clone();
+    }
     // The call reads up to the max LSN it found when it started: a writer that
     // never pauses cannot keep one call running forever. The next call picks
     // up what arrived meanwhile.
@@ -130,8 +138,18 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
             result.call_again = true;
             break;
         }
+        let mut switch_events = Vec::new();
+        let mut read_max = max;
+        if follow_instances {
+            match super::switch::plan(position, &ctx.instance, &instances) {
+                super::switch::InstancePlan::Stay { upto: Some(u) } => read_max = max.map(|m| m.min(u)),
+                super::switch::InstancePlan::Stay { upto: None } => {}
+                super::switch::InstancePlan::Switch { to } => switch_events = super::switch::switch(ctx, st.generation, to).await?,
+            }
+        }
+        let ci = ctx.instance.name.clone();
         let min = ctx.source.min_lsn(&ci).await?;
-        let (from, to_max, mut skips) = match decide(position, max, min) {
+        let (from, to_max, mut skips) = match decide(position, read_max, min) {
             BatchDecision::CaughtUp => {
                 result.caught_up = true;
                 break;
@@ -175,7 +193,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
             },
         };
         let batch_id = st.next_batch_id();
-        match run_batch(ctx, &st, batch_id, from, to_max, max, &mut skips).await? {
+        match run_batch(ctx, &st, batch_id, from, to_max, max, &mut skips, &switch_events).await? {
             BatchOutcome::Committed(fact) => {
                 result.batches += 1;
                 result.rows += fact.rows.unwrap_or(0);
@@ -355,8 +373,13 @@ async fn repair(ctx: &mut Context, st: &StreamState) -> StepResult<Vec<i64>> {
             ..Default::default()
         };
         let skips: Vec<Skip> = meta.get("skipped").cloned().map(serde_json::from_value).transpose().ok().flatten().unwrap_or_default();
+        let events: Vec<FactRow> = meta.get("events").cloned().map(serde_json::from_value).transpose().ok().flatten().unwrap_or_default();
         let mut rows_out = vec![row];
         rows_out.extend(skips.iter().map(|k| k.fact_row(ctx, st.generation, batch_id)));
+        rows_out.extend(events.into_iter().map(|mut e| {
+            e.batch_id = Some(batch_id);
+            e
+        }));
         append_facts(ctx, rows_out, &Txn::new(format!("{}#facts", st.generation_app_id), batch_id)).await?;
         repaired.push(batch_id);
     }
@@ -372,6 +395,7 @@ async fn run_batch(
     to_max: Lsn,
     source_max: Option<Lsn>,
     skips: &mut Vec<Skip>,
+    events: &[FactRow],
 ) -> StepResult<BatchOutcome> {
     let started = Instant::now();
     let limit = ctx.workflow.stream.max_batch_rows;
@@ -439,6 +463,9 @@ async fn run_batch(
     if !skips.is_empty() {
         meta["skipped"] = json!(skips);
     }
+    if !events.is_empty() {
+        meta["events"] = json!(events);
+    }
     let txn = Txn::new(st.generation_app_id.clone(), batch_id);
     let bronze_version = if rows > 0 {
         match delta::append_batches(&mut ctx.bronze, out, bronze_schema, &txn, meta).await? {
@@ -487,6 +514,10 @@ async fn run_batch(
     // (same txn) writes them once, and a batch that never commits leaves none.
     let mut rows_out = vec![row.clone()];
     rows_out.extend(skips.iter().map(|k| k.fact_row(ctx, st.generation, batch_id)));
+    rows_out.extend(events.iter().cloned().map(|mut e| {
+        e.batch_id = Some(batch_id);
+        e
+    }));
     append_facts(ctx, rows_out, &Txn::new(format!("{}#facts", st.generation_app_id), batch_id)).await?;
     failpoint!("stream.after_facts");
     tracing::info!(batch_id, rows, from = %from, to = %to, "batch committed");
