@@ -332,3 +332,80 @@ async fn apply_without_a_silver_target_is_refused_before_anything_is_written() {
     assert_eq!(e.exit_code(), 2, "{e}");
     assert!(!s.path().join("silver").exists());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_drill_at_every_silver_failpoint() {
+    let _fp = fail::FailScenario::setup();
+    for fp in mssql_cdc::engine::FAILPOINTS.iter().filter(|f| f.starts_with("apply.") || f.starts_with("reconcile.")) {
+        let mut s = Scenario::new(30, FULL);
+        s.stream().await.unwrap();
+        apply(&s).await.unwrap();
+        s.changes(10);
+        s.stream_until_caught_up().await;
+        fail::cfg(*fp, "1*return").unwrap();
+        let e = if fp.starts_with("apply.") {
+            apply(&s).await.unwrap_err()
+        } else {
+            apply(&s).await.unwrap();
+            reconcile(&s).await.unwrap_err()
+        };
+        assert!(e.to_string().contains(*fp), "{fp}: {e}");
+        fail::remove(*fp);
+        s.changes(6);
+        s.stream_until_caught_up().await;
+        for _ in 0..3 {
+            if apply(&s).await.unwrap().action == "nothing" {
+                break;
+            }
+        }
+        assert_eq!(silver_ids(&s).await, source_ids(&s).await, "{fp}");
+        let r = reconcile(&s).await.unwrap();
+        assert_clean(&r);
+        let ctrl = delta::open_existing(&silver::control_location_for(&silver_path(&s)), &Default::default()).await.unwrap().unwrap();
+        let b = delta::query(&ctrl, "SELECT COUNT(*) - COUNT(DISTINCT seq) FROM t").await.unwrap();
+        let dup = b[0].column(0).as_any().downcast_ref::<deltalake::arrow::array::Int64Array>().unwrap().value(0);
+        assert_eq!(dup, 0, "{fp}: a control row twice");
+    }
+}
+
+/// The CLI end to end: a process killed between apply's two commits, the
+/// rerun, reconcile's exit codes (0 clean, 3 with a real difference).
+#[test]
+fn cli_apply_killed_between_its_commits_then_reconcile_exit_codes() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut s = Scenario::new(30, FULL);
+    let bin = env!("CARGO_BIN_EXE_mssql-cdc");
+    let wf_path = s.wf_path.clone();
+    let run = |step: &str, fp: Option<&str>| {
+        let mut c = std::process::Command::new(bin);
+        c.arg("--workflow").arg(&wf_path).arg(step).env("MSSQL_CDC_LOG", "warn");
+        if let Some(fp) = fp {
+            c.env("FAILPOINTS", format!("{fp}=return(abort)"));
+        }
+        let out = c.output().unwrap();
+        let last: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or("null")).unwrap_or_default();
+        (out.status.code(), last)
+    };
+    assert_eq!(run("stream", None).0, Some(0));
+    let (code, _) = run("apply", Some("apply.after_merge"));
+    assert_ne!(code, Some(0), "the process should have been killed");
+    let (code, r) = run("apply", None);
+    assert_eq!(code, Some(0), "{r}");
+    assert_eq!(r["repaired"], true, "{r}");
+    s.changes(8);
+    assert_eq!(run("stream", None).0, Some(0));
+    let (code, r) = run("apply", None);
+    assert_eq!((code, r["action"].as_str()), (Some(0), Some("changes")), "{r}");
+    let (code, r) = run("reconcile", None);
+    assert_eq!(code, Some(0), "{r}");
+    assert_eq!(r["clean"], true, "{r}");
+    rt.block_on(async {
+        let t = delta::open_existing(&silver_path(&s), &Default::default()).await.unwrap().unwrap();
+        let ids = silver_ids(&s).await;
+        let victim = *ids.iter().next().unwrap();
+        t.delete().with_predicate(format!("id = {victim}")).await.unwrap();
+    });
+    let (code, r) = run("reconcile", None);
+    assert_eq!(code, Some(3), "a real difference needs a person: {r}");
+    assert_eq!(r["counts"]["MISSING_TARGET"], 1, "{r}");
+}
