@@ -16,7 +16,9 @@ use mssql_cdc::engine::reconcile::{self, ReconcileResult};
 use mssql_cdc::error::StepResult;
 use mssql_cdc::lsn::Lsn;
 use mssql_cdc::source::{ChangeBatchBuilder, ChangeRow, ServerZone};
-use mssql_cdc::types::SqlValue;
+use mssql_cdc::sim::TableSpec;
+use mssql_cdc::source::TableName;
+use mssql_cdc::types::{ColumnDesc, SqlType, SqlValue};
 
 const FULL: &str = "silver = \"silver\"\n[snapshot]\nbootstrap = true\nmode = \"full\"\nparallelism = 2\n[stream]\nmax_batch_rows = 1000\n[reconcile]\nbuckets = 8\nsample_fraction = 0.5\n";
 const CHUNKED: &str = "silver = \"silver\"\n[snapshot]\nbootstrap = true\nmode = \"chunked\"\nparallelism = 2\nchunk_rows = 10\ntarget_wave_seconds = 0\n[stream]\nmax_batch_rows = 1000\n";
@@ -239,6 +241,17 @@ async fn chunked_bootstrap_waves_are_applied_as_they_arrive() {
     let rc = reconcile(&s).await.unwrap();
     assert_clean(&rc);
     assert!(rc.chunk_snapshot.is_some() && rc.chunks_checked >= 5, "{rc:?}");
+    // A chunk's bounds changed in the plans table after the fact fail its tiling.
+    let plans_loc = delta::plans::location_for(&s.path().join("bronze").to_string_lossy());
+    let t = delta::open_existing(&plans_loc, &Default::default()).await.unwrap().unwrap();
+    let rows = delta::plans::from_batches(&delta::query(&t, "SELECT * FROM t WHERE event = 'snapshot_chunk' AND chunk = 1").await.unwrap()).unwrap();
+    let mut detail = rows[0].detail.clone();
+    detail["lo"] = serde_json::json!([{"t": "int", "v": 3}]);
+    let literal = format!("'{}'", detail.to_string().replace('\'', "''"));
+    t.update().with_predicate("event = 'snapshot_chunk' AND chunk = 1").with_update("detail", literal.as_str()).await.unwrap();
+    let rc = reconcile(&s).await.unwrap();
+    assert!(!rc.clean && rc.counts["CHUNK_TILING"] >= 1, "{rc:#?}");
+    assert!(rc.samples.iter().any(|d| d["class"] == "CHUNK_TILING" && d["chunk"] == 1), "{:?}", rc.samples);
 }
 
 /// A silver built before a loss, then a chunked re-snapshot (generation 1)
@@ -408,4 +421,64 @@ fn cli_apply_killed_between_its_commits_then_reconcile_exit_codes() {
     let (code, r) = run("reconcile", None);
     assert_eq!(code, Some(3), "a real difference needs a person: {r}");
     assert_eq!(r["counts"]["MISSING_TARGET"], 1, "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_null_keys_change_is_in_flight_and_its_real_difference_is_named_null() {
+    let _fp = fail::FailScenario::setup();
+    // Keys may name a nullable column (CDC only refuses a unique index over one):
+    // `name` is NULL for id 7 only here.
+    let s = Scenario::new(6, "silver = \"silver\"\n[snapshot]\nbootstrap = true\nkeys = [\"name\"]\n");
+    s.stream().await.unwrap();
+    apply(&s).await.unwrap();
+    assert_clean(&reconcile(&s).await.unwrap());
+    let table = s.table.clone();
+    s.db.transaction(|tx| tx.insert(&table, common::item_row(7, 0))).unwrap();
+    s.db.capture().unwrap();
+    s.stream_until_caught_up().await;
+    let r = reconcile(&s).await.unwrap();
+    assert!(r.clean && r.counts["IN_FLIGHT"] == 1, "bronze holds the NULL key's change: {r:#?}");
+    assert_eq!(r.samples[0]["key"], serde_json::json!({"name": null}), "{:?}", r.samples);
+    apply(&s).await.unwrap();
+    assert_clean(&reconcile(&s).await.unwrap());
+    let t = delta::open_existing(&silver_path(&s), &Default::default()).await.unwrap().unwrap();
+    t.update().with_predicate("name IS NULL").with_update("qty", "-1").await.unwrap();
+    let r = reconcile(&s).await.unwrap();
+    assert_eq!((r.counts["RECORD_DIFF"], r.clean), (1, false), "{r:#?}");
+    assert_eq!(r.samples[0]["key"], serde_json::json!({"name": null}), "{:?}", r.samples);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_without_a_unique_index_is_refused_unless_keys_are_given() {
+    let _fp = fail::FailScenario::setup();
+    let mut s = Scenario::new(0, "");
+    let heap = TableName::new("dbo", "heap");
+    let spec = TableSpec {
+        name: heap.clone(),
+        columns: vec![ColumnDesc::new("id", SqlType::Int, false), ColumnDesc::new("payload", SqlType::Int, true)],
+        primary_key: vec![],
+        unique_index: vec![],
+    };
+    s.db.create_table(&spec).unwrap();
+    s.db.load_rows(&heap, (1..=30).map(|i| vec![SqlValue::Int(i), SqlValue::Int(i * 2)])).unwrap();
+    s.db.enable_cdc(&heap, None, None).unwrap();
+    s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
+    s.db.capture().unwrap();
+    s.table = heap;
+    let wf = |keys: &str| {
+        format!(
+            "app_id = \"items\"\n[source]\nurl = \"sim://source.sqlite\"\n[table]\nname = \"heap\"\n[target]\nbronze = \"bronze\"\nfacts = \"facts\"\nsilver = \"silver\"\n\
+             [snapshot]\nbootstrap = true\n{keys}\n"
+        )
+    };
+    std::fs::write(&s.wf_path, wf("")).unwrap();
+    s.stream().await.unwrap();
+    let e = apply(&s).await.unwrap_err();
+    assert_eq!(e.exit_code(), 2, "{e}");
+    assert!(e.to_string().contains("snapshot.keys"), "{e}");
+    assert!(!s.path().join("silver").exists(), "nothing written");
+    std::fs::write(&s.wf_path, wf("keys = [\"id\"]")).unwrap();
+    let r = apply(&s).await.unwrap();
+    assert_eq!((r.action.as_str(), r.rows_upserted), ("rebuild", 30), "{r:?}");
+    assert_clean(&reconcile(&s).await.unwrap());
 }
