@@ -27,6 +27,8 @@ use crate::workflow::Workflow;
 pub enum BenchCommand {
     /// Full vs chunked snapshot of one table over rate-limited connections.
     Snapshot(SnapshotBenchArgs),
+    /// `apply` of a batch of changes into a large silver, `reconcile` of it, and a bare append of the same rows.
+    Apply(crate::bench_apply::ApplyBenchArgs),
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -64,6 +66,7 @@ pub async fn run(cmd: BenchCommand) -> StepResult<Value> {
             Some(mode) => child(&a, &mode).await,
             None => parent(&a).await,
         },
+        BenchCommand::Apply(a) => crate::bench_apply::run(&a).await,
     }
 }
 

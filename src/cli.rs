@@ -60,6 +60,11 @@ pub enum Command {
         #[arg(long)]
         allow_missing_columns: bool,
     },
+    /// Apply bronze's changes and snapshots to silver (the latest row per key); call on any schedule.
+    Apply,
+    /// Compare silver with the source (bucket counts, then row hashes) and append a report;
+    /// exit 3 when real differences remain.
+    Reconcile,
     /// Drive the embedded SQL Server CDC simulator.
     #[command(subcommand)]
     Sim(crate::sim::cli::SimCommand),
@@ -243,6 +248,17 @@ pub async fn run(cli: Cli) -> Result<(Value, i32), StepError> {
             let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;
             let r = crate::engine::seed::run(&mut ctx, &args).await?;
             Ok((serde_json::to_value(&r).unwrap_or(Value::Null), EXIT_OK))
+        }
+        Command::Apply => {
+            let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;
+            let r = crate::engine::apply::run(&mut ctx).await?;
+            Ok((serde_json::to_value(&r).unwrap_or(Value::Null), EXIT_OK))
+        }
+        Command::Reconcile => {
+            let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;
+            let r = crate::engine::reconcile::run(&mut ctx).await?;
+            let code = if r.clean { EXIT_OK } else { crate::error::EXIT_NEEDS_PERSON };
+            Ok((serde_json::to_value(&r).unwrap_or(Value::Null), code))
         }
         Command::Sim(cmd) => {
             let v = tokio::task::spawn_blocking(move || crate::sim::cli::run(cmd))

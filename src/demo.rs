@@ -3,8 +3,9 @@
 //! One harness ([`Harness`]) makes a simulated database with a table and a
 //! writer, writes the workflow files, and calls the same steps an
 //! orchestrator would; each scenario is a sequence of those calls ending in
-//! a check of bronze against the source. The last stdout line is the
-//! scenario's JSON; the command exits 0 only when `differences` is 0.
+//! `apply` (silver from bronze) and `reconcile` (silver against the source).
+//! The last stdout line is the scenario's JSON; the command exits 0 only
+//! when `differences` (what reconcile found besides IN_FLIGHT) is 0.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -111,8 +112,8 @@ impl Harness {
     pub fn write_workflow_with(&self, stream_toml: &str, snapshot_toml: &str) -> StepResult<()> {
         let text = format!(
             "# Written by `mssql-cdc demo`.\napp_id = \"orders-demo\"\n\n[source]\nurl = \"sim://source.sqlite\"\n\n\
-             [table]\nschema = \"dbo\"\nname = \"orders\"\n\n[target]\nbronze = \"bronze/orders\"\nfacts = \"facts\"\n\n\
-             [stream]\nmax_batch_rows = 20000\n{stream_toml}\n\n[snapshot]\n{snapshot_toml}\n"
+             [table]\nschema = \"dbo\"\nname = \"orders\"\n\n[target]\nbronze = \"bronze/orders\"\nfacts = \"facts\"\nsilver = \"silver/orders\"\n\n\
+             [stream]\nmax_batch_rows = 20000\n{stream_toml}\n\n[reconcile]\nbuckets = 64\nsample_fraction = 0.25\n\n[snapshot]\n{snapshot_toml}\n"
         );
         std::fs::write(&self.workflow_path, text).map_err(|e| StepError::Config(format!("cannot write {}: {e}", self.workflow_path.display())))
     }
@@ -194,6 +195,16 @@ impl Harness {
         rebuild::compare_with_source(ctx.source.as_ref(), &self.table, &ctx.instance.columns, &keys, &image).await
     }
 
+    /// The end of every scenario: `apply` (silver from bronze) then
+    /// `reconcile` (silver against the table now), as an orchestrator calls them.
+    pub async fn check(&self) -> StepResult<Check> {
+        let mut ctx = Context::open(self.workflow()?).await?;
+        let apply = engine::apply::run(&mut ctx).await?;
+        let mut ctx = Context::open(self.workflow()?).await?;
+        let reconcile = engine::reconcile::run(&mut ctx).await?;
+        Ok(Check { apply, reconcile })
+    }
+
     /// A handle that runs steps against this harness's workflow from another task.
     pub fn stream_handle(&self) -> StepHandle {
         StepHandle { workflow_path: self.workflow_path.clone() }
@@ -202,6 +213,42 @@ impl Harness {
     pub fn say(&self, msg: impl Into<std::borrow::Cow<'static, str>>) {
         self.progress.set_message(msg);
         self.progress.tick();
+    }
+}
+
+/// What a scenario's final `apply` and `reconcile` found.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub apply: engine::apply::ApplyResult,
+    pub reconcile: engine::reconcile::ReconcileResult,
+}
+
+impl Check {
+    /// What reconcile found besides IN_FLIGHT (0 expected).
+    pub fn differences(&self) -> u64 {
+        self.reconcile.differences
+    }
+
+    /// The scenario JSON's `reconcile` member: counts per class and `clean`.
+    pub fn reconcile_json(&self) -> Value {
+        let r = &self.reconcile;
+        json!({
+            "clean": r.clean,
+            "counts": r.counts,
+            "run": r.run,
+            "tier1": r.tier1,
+            "buckets": r.buckets,
+            "buckets_mismatched": r.buckets_mismatched,
+            "buckets_compared": r.buckets_compared,
+            "rows_compared": r.rows_compared,
+            "chunks_checked": r.chunks_checked,
+            "samples": r.samples,
+        })
+    }
+
+    /// The scenario JSON's `apply` member.
+    pub fn apply_json(&self) -> Value {
+        serde_json::to_value(&self.apply).unwrap_or(Value::Null)
     }
 }
 
@@ -220,6 +267,11 @@ impl StepHandle {
     pub async fn backfill(&self, args: &engine::chunked::BackfillArgs) -> StepResult<engine::chunked::BackfillResult> {
         let mut ctx = Context::open(Workflow::load(&self.workflow_path)?).await?;
         engine::chunked::backfill(&mut ctx, args).await
+    }
+
+    pub async fn apply(&self) -> StepResult<engine::apply::ApplyResult> {
+        let mut ctx = Context::open(Workflow::load(&self.workflow_path)?).await?;
+        engine::apply::run(&mut ctx).await
     }
 }
 
@@ -286,21 +338,19 @@ async fn full(args: DemoArgs) -> StepResult<(Value, bool)> {
     batches += b;
     streamed += r;
     let stream_s = t_stream.elapsed().as_secs_f64();
-    h.say("verifying: rebuilding the latest image per key from bronze");
+    h.say("checking: apply to silver, then reconcile silver with the table");
     let t_verify = Instant::now();
-    let cmp = h.verify().await?;
+    let check = h.check().await?;
     let verify_s = t_verify.elapsed().as_secs_f64();
     h.progress.finish_and_clear();
-    let differences = cmp.differences();
+    let differences = check.differences();
     let out = json!({
         "scenario": "full",
-        "rows_source": cmp.rows_source,
-        "rows_target": cmp.rows_target,
+        "rows_source": check.reconcile.rows_source,
+        "rows_target": check.reconcile.rows_target,
         "differences": differences,
-        "missing_in_target": cmp.missing_in_target,
-        "extra_in_target": cmp.extra_in_target,
-        "different": cmp.different,
-        "samples": cmp.samples,
+        "reconcile": check.reconcile_json(),
+        "apply": check.apply_json(),
         "batches": batches,
         "change_rows_streamed": streamed,
         "bootstrap_rows": boot.rows,
@@ -316,7 +366,8 @@ async fn full(args: DemoArgs) -> StepResult<(Value, bool)> {
 
 /// The chunked scenario: the stream and `backfill` run side by side (two
 /// tasks, as two orchestrator jobs would), each called again and again,
-/// under the writer; then the rebuild is checked against the source.
+/// under the writer, `apply` taking each wave into silver as it arrives;
+/// then `apply` and `reconcile` check silver against the source.
 async fn chunked(args: DemoArgs) -> StepResult<(Value, bool)> {
     let t0 = Instant::now();
     let dir = std::path::absolute(&args.dir).unwrap_or(args.dir.clone());
@@ -357,6 +408,7 @@ async fn chunked(args: DemoArgs) -> StepResult<(Value, bool)> {
     let bf_args = engine::chunked::BackfillArgs { max_seconds: Some(2.0), ..Default::default() };
     let (mut calls, mut waves, mut backfill_rows, mut chunks_total) = (0u32, 0u32, 0i64, 0usize);
     let mut fixed: Vec<f64> = Vec::new();
+    let (mut applies, mut waves_applied) = (0u32, 0u32);
     let backfill_outcome: StepResult<()> = async {
         loop {
             let r = handle.backfill(&bf_args).await?;
@@ -365,6 +417,10 @@ async fn chunked(args: DemoArgs) -> StepResult<(Value, bool)> {
             backfill_rows += r.rows;
             chunks_total = r.chunks_total;
             fixed.extend(r.wave_fixed_seconds.iter().copied());
+            // Silver takes each wave as it arrives (the verdict held until the completion).
+            let a = handle.apply().await?;
+            applies += 1;
+            waves_applied += a.waves_applied.len() as u32;
             h.lock().await.say(format!("backfill: {}/{} chunks in {waves} waves ({backfill_rows} rows), stream running", r.chunks_done, r.chunks_total));
             if r.done {
                 return Ok(());
@@ -380,27 +436,27 @@ async fn chunked(args: DemoArgs) -> StepResult<(Value, bool)> {
     let (writer, b, r) = h.stop_and_catch_up().await?;
     batches += b;
     streamed += r;
-    h.say("verifying: rebuilding the latest image per key from bronze");
+    h.say("checking: apply to silver, then reconcile silver with the table");
     let t_verify = Instant::now();
-    let cmp = h.verify().await?;
+    let check = h.check().await?;
     let verify_s = t_verify.elapsed().as_secs_f64();
     h.progress.finish_and_clear();
-    let differences = cmp.differences();
+    let differences = check.differences();
     fixed.sort_by(|a, b| a.total_cmp(b));
     let out = json!({
         "scenario": "chunked",
-        "rows_source": cmp.rows_source,
-        "rows_target": cmp.rows_target,
+        "rows_source": check.reconcile.rows_source,
+        "rows_target": check.reconcile.rows_target,
         "differences": differences,
-        "missing_in_target": cmp.missing_in_target,
-        "extra_in_target": cmp.extra_in_target,
-        "different": cmp.different,
-        "samples": cmp.samples,
+        "reconcile": check.reconcile_json(),
+        "apply": check.apply_json(),
         "snapshot_lsn": first.position,
         "chunk_rows": chunk_rows,
         "chunks_total": chunks_total,
         "waves": waves,
         "backfill_calls": calls,
+        "apply_calls_during_backfill": applies,
+        "waves_applied_during_backfill": waves_applied,
         "backfill_rows": backfill_rows,
         "backfill_rows_per_s": if bootstrap_s > 0.0 { backfill_rows as f64 / bootstrap_s } else { 0.0 },
         "wave_fixed_seconds_median": fixed.get(fixed.len() / 2),

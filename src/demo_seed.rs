@@ -119,9 +119,9 @@ pub async fn run(args: DemoArgs) -> StepResult<(Value, bool)> {
         }
     }
     let stream_s = t_stream.elapsed().as_secs_f64();
-    h.say("verifying: rebuilding the latest image per key from bronze");
+    h.say("checking: apply to silver, then reconcile silver with the table");
     let t_verify = Instant::now();
-    let cmp = h.verify().await?;
+    let check = h.check().await?;
     let verify_s = t_verify.elapsed().as_secs_f64();
     let ctx = Context::open(h.workflow()?).await?;
     let bootstrap_rows = crate::delta::query(&ctx.facts, "SELECT COUNT(*) AS n FROM t WHERE event = 'bootstrap'").await?;
@@ -130,17 +130,15 @@ pub async fn run(args: DemoArgs) -> StepResult<(Value, bool)> {
         .and_then(|b| b.column(0).as_any().downcast_ref::<deltalake::arrow::array::Int64Array>().map(|a| a.value(0)))
         .unwrap_or(-1);
     h.progress.finish_and_clear();
-    let differences = cmp.differences();
+    let differences = check.differences();
     let passed = differences == 0 && rerun.already_seeded && bootstrap_events == 1 && bootstrap_found_seed == Some(true);
     let out = json!({
         "scenario": "seed",
-        "rows_source": cmp.rows_source,
-        "rows_target": cmp.rows_target,
+        "rows_source": check.reconcile.rows_source,
+        "rows_target": check.reconcile.rows_target,
         "differences": differences,
-        "missing_in_target": cmp.missing_in_target,
-        "extra_in_target": cmp.extra_in_target,
-        "different": cmp.different,
-        "samples": cmp.samples,
+        "reconcile": check.reconcile_json(),
+        "apply": check.apply_json(),
         "copy": copy_dir,
         "copy_started_at": copy_started_at,
         "copy_rows": copy_rows,

@@ -2,6 +2,7 @@
 //! durable workflow of idempotent steps. See docs/ARCHITECTURE.md for the map.
 
 pub mod bench;
+pub mod bench_apply;
 pub mod cli;
 pub mod delta;
 pub mod demo;

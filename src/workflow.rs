@@ -29,6 +29,8 @@ pub struct Workflow {
     pub stream: StreamOptions,
     #[serde(default)]
     pub snapshot: SnapshotOptions,
+    #[serde(default)]
+    pub reconcile: ReconcileOptions,
     /// Where the file was read from (not part of the file).
     #[serde(skip)]
     pub path: PathBuf,
@@ -69,6 +71,14 @@ pub struct TargetConfig {
     pub bronze: String,
     /// The facts table: micro-batch and event rows. May be shared by many streams.
     pub facts: String,
+    /// The silver table `apply` writes (the current state per key). Its
+    /// control table is `<silver>_control`, next to it. Needed by `apply`
+    /// and `reconcile` only.
+    #[serde(default)]
+    pub silver: Option<String>,
+    /// The reconcile report table (default: `<silver>_reconcile`).
+    #[serde(default)]
+    pub reconcile: Option<String>,
     /// Options for the object store (e.g. AWS_REGION). A value written
     /// `env:NAME` is read from the environment, so keys stay out of the file.
     #[serde(default)]
@@ -189,6 +199,24 @@ impl Default for SnapshotOptions {
     }
 }
 
+/// Options of the `reconcile` step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReconcileOptions {
+    /// Tier 1 buckets over one integer key.
+    pub buckets: u32,
+    /// The share of tier 1's matching buckets that tier 2 still compares row by row (0 to 1).
+    pub sample_fraction: f64,
+    /// The most difference rows one run writes to the report (the summary counts them all).
+    pub max_report_rows: usize,
+}
+
+impl Default for ReconcileOptions {
+    fn default() -> Self {
+        ReconcileOptions { buckets: 64, sample_fraction: 0.1, max_report_rows: 10_000 }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SnapshotMode {
@@ -236,6 +264,8 @@ impl Workflow {
         };
         self.target.bronze = resolve(&self.target.bronze);
         self.target.facts = resolve(&self.target.facts);
+        self.target.silver = self.target.silver.as_deref().map(resolve);
+        self.target.reconcile = self.target.reconcile.as_deref().map(resolve);
         if let Some(rest) = self.source.url.strip_prefix("sim://") {
             if !Path::new(rest).is_absolute() {
                 self.source.url = format!("sim://{}", absolute(&base.join(rest)).display());
@@ -265,6 +295,26 @@ impl Workflow {
         }
         if self.target.bronze == self.target.facts {
             return bad("target.bronze and target.facts must be different tables".into());
+        }
+        if let Some(silver) = &self.target.silver {
+            let control = crate::delta::silver::control_location_for(silver);
+            let plans = crate::delta::plans::location_for(&self.target.bronze);
+            for (name, other) in [("target.bronze", &self.target.bronze), ("target.facts", &self.target.facts), ("the plans table", &plans)] {
+                if silver == other || &control == other {
+                    return bad(format!("target.silver '{silver}' (or its control table) is the same table as {name}: name another folder"));
+                }
+            }
+        }
+        if let Some(report) = &self.target.reconcile {
+            if [&self.target.bronze, &self.target.facts].contains(&report) || self.target.silver.as_ref() == Some(report) {
+                return bad(format!("target.reconcile '{report}' is the same table as another target: name another folder"));
+            }
+        }
+        if self.reconcile.buckets == 0 || self.reconcile.buckets > 1_000_000 {
+            return bad(format!("reconcile.buckets is {}: use 1 to 1000000", self.reconcile.buckets));
+        }
+        if !(0.0..=1.0).contains(&self.reconcile.sample_fraction) {
+            return bad(format!("reconcile.sample_fraction is {}: use a number from 0 to 1", self.reconcile.sample_fraction));
         }
         if self.stream.max_batch_rows == 0 || self.stream.max_batches == 0 {
             return bad("stream.max_batch_rows and stream.max_batches must be at least 1".into());
@@ -309,6 +359,25 @@ impl Workflow {
             }
         }
         Ok(())
+    }
+
+    /// The silver table, or a `Config` error naming the setting a step needs.
+    pub fn silver_location(&self, step: &str) -> StepResult<String> {
+        self.target.silver.clone().ok_or_else(|| {
+            StepError::Config(format!(
+                "`{step}` needs the silver table: set target.silver in {} (a path or URI, e.g. silver = \"silver/{}\")",
+                self.path.display(),
+                self.table.name
+            ))
+        })
+    }
+
+    /// The reconcile report table: target.reconcile, or `<silver>_reconcile`.
+    pub fn reconcile_location(&self) -> StepResult<String> {
+        match &self.target.reconcile {
+            Some(r) => Ok(r.clone()),
+            None => Ok(crate::delta::silver::reconcile_location_for(&self.silver_location("reconcile")?)),
+        }
     }
 
     /// The source table's name.

@@ -10,9 +10,12 @@
 //! generations and snapshots are all read back from these tables.
 
 pub mod bronze;
+pub mod control;
 pub mod facts;
 pub mod golden;
 pub mod plans;
+pub mod reconcile;
+pub mod silver;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -43,6 +46,12 @@ pub enum TableKind {
     Facts,
     /// Key values of chunked snapshots, next to bronze (adr-0028 Amendment 4).
     Plans,
+    /// The current state per key, applied from bronze.
+    Silver,
+    /// Silver's position and verdict, a row per apply.
+    Control,
+    /// Reconcile reports.
+    Reconcile,
 }
 
 impl TableKind {
@@ -51,6 +60,9 @@ impl TableKind {
             TableKind::Bronze => "bronze",
             TableKind::Facts => "facts",
             TableKind::Plans => "snapshot_plans",
+            TableKind::Silver => "silver",
+            TableKind::Control => "silver_control",
+            TableKind::Reconcile => "reconcile",
         }
     }
 
@@ -62,6 +74,9 @@ impl TableKind {
             TableKind::Bronze => bronze::MIGRATIONS,
             TableKind::Facts => facts::MIGRATIONS,
             TableKind::Plans => plans::MIGRATIONS,
+            TableKind::Silver => silver::MIGRATIONS,
+            TableKind::Control => control::MIGRATIONS,
+            TableKind::Reconcile => reconcile::MIGRATIONS,
         }
     }
 
@@ -221,6 +236,9 @@ pub fn commented_schema(kind: TableKind, schema: &SchemaRef) -> StepResult<Struc
                 TableKind::Bronze => bronze::column_comment(f.name()),
                 TableKind::Facts => facts::column_comment(f.name()),
                 TableKind::Plans => plans::column_comment(f.name()),
+                TableKind::Silver => silver::column_comment(f.name()),
+                TableKind::Control => control::column_comment(f.name()),
+                TableKind::Reconcile => reconcile::column_comment(f.name()),
             };
             f.clone().with_metadata([("comment".to_string(), comment)])
         })
@@ -365,7 +383,7 @@ async fn applied(table: &DeltaTable, txn: &Txn) -> StepResult<Option<i64>> {
 
 /// Commit properties of a step's commit: its metadata (also as Delta's
 /// userMetadata) and its txn.
-fn step_commit_properties(txn: &Txn, metadata: Value) -> CommitProperties {
+pub(crate) fn step_commit_properties(txn: &Txn, metadata: Value) -> CommitProperties {
     CommitProperties::default()
         .with_metadata([("userMetadata".to_string(), json!(metadata.to_string())), ("mssql_cdc".to_string(), metadata)])
         .with_application_transaction(Transaction::new(&txn.app_id, txn.version))
@@ -482,6 +500,19 @@ pub async fn query_stream(
     let label = table.table_url().to_string();
     let df = ctx.sql(sql).await.map_err(|e| StepError::Internal(format!("query on {label} failed to plan: {e}\n{sql}")))?;
     df.execute_stream().await.map_err(|e| StepError::Temporary(format!("query on {label} failed: {e}")))
+}
+
+/// A DataFrame of a SQL query over `table` (registered as `t`), with the
+/// session that can execute it (it knows the table's object store): a MERGE
+/// reading bronze into silver runs its plan in that session.
+pub async fn dataframe(
+    table: &DeltaTable,
+    sql: &str,
+) -> StepResult<(deltalake::datafusion::prelude::DataFrame, deltalake::datafusion::execution::context::SessionState)> {
+    let ctx = session_for(table).await?;
+    let label = table.table_url().to_string();
+    let df = ctx.sql(sql).await.map_err(|e| StepError::Internal(format!("query on {label} failed to plan: {e}\n{sql}")))?;
+    Ok((df, ctx.state()))
 }
 
 async fn session_for(table: &DeltaTable) -> StepResult<SessionContext> {

@@ -8,9 +8,11 @@
 //! point and be called again; the failpoints in [`FAILPOINTS`] sit at every
 //! commit boundary and the crash drill proves it.
 
+pub mod apply;
 pub mod chunked;
 pub mod plan;
 pub mod rebuild;
+pub mod reconcile;
 pub mod recover;
 pub mod seed;
 pub mod snapshot;
@@ -48,6 +50,9 @@ pub const FAILPOINTS: &[&str] = &[
     "chunked.after_wave_plans",
     "chunked.after_wave_facts",
     "chunked.after_complete",
+    "apply.after_merge",
+    "apply.after_control",
+    "reconcile.after_report",
 ];
 
 /// A failpoint: in tests and crash drills, fails the step here (`return`) or

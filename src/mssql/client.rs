@@ -777,6 +777,18 @@ impl CdcSource for MssqlSource {
             .collect()
     }
 
+    async fn bucket_sums(
+        &self,
+        table: &TableName,
+        key: &str,
+        lo: i64,
+        hi: i64,
+        width: i64,
+        isolation: Isolation,
+    ) -> Result<Vec<(i64, u64, i128)>, SourceError> {
+        MssqlSource::bucket_sums(self, table, key, lo, hi, width, isolation).await
+    }
+
     async fn key_seek(&self, table: &TableName, keys: &[String], range: &KeyRange, n: u64, isolation: Isolation) -> Result<Option<Key>, SourceError> {
         let kc = self.key_cols(table, keys).await?;
         let types: Vec<SqlType> = kc.iter().map(|k| k.sql_type.clone()).collect();

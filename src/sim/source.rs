@@ -640,6 +640,68 @@ impl CdcSource for SimSource {
         .await
     }
 
+    async fn bucket_sums(
+        &self,
+        table: &TableName,
+        key: &str,
+        lo: i64,
+        hi: i64,
+        width: i64,
+        isolation: Isolation,
+    ) -> Result<Vec<(i64, u64, i128)>, SourceError> {
+        let (name, key) = (table.clone(), key.to_string());
+        self.call(move |c, p, cfg| {
+            check_isolation(cfg, isolation, p)?;
+            if width <= 0 {
+                return Err(SourceError::Config(format!("bucket width must be positive, got {width}")));
+            }
+            let tx = c.transaction().map_err(sql_err(p))?;
+            let t = self::table(&tx, p, &name)?;
+            let pos = key_positions(&t, std::slice::from_ref(&key))?[0];
+            if !t.spec.columns[pos].sql_type.is_integer() {
+                return Err(SourceError::Config(format!("column '{key}' of {} is not an integer column", t.spec.name)));
+            }
+            let mut sums: std::collections::BTreeMap<i64, (u64, i128)> = Default::default();
+            let mut add = |v: i64| {
+                if v >= lo && v <= hi {
+                    let i = (v as i128 - lo as i128) / width as i128;
+                    let start = (lo as i128 + i * width as i128) as i64;
+                    let e = sums.entry(start).or_default();
+                    e.0 += 1;
+                    e.1 += v as i128;
+                }
+            };
+            if hi < lo {
+                return Ok(vec![]);
+            }
+            if t.key_cols.first() == Some(&pos) {
+                let ty = &t.spec.columns[pos].sql_type;
+                let from = keys::encode_key(&[ty], &[SqlValue::Int(lo)]);
+                let to = keys::prefix_successor(&keys::encode_key(&[ty], &[SqlValue::Int(hi)]));
+                let mut st = tx
+                    .prepare("SELECT sk FROM rows WHERE table_id = ?1 AND sk >= ?2 AND (?3 IS NULL OR sk < ?3)")
+                    .map_err(sql_err(p))?;
+                let mut rows = st.query(params![t.id, from, to]).map_err(sql_err(p))?;
+                while let Some(r) = rows.next().map_err(sql_err(p))? {
+                    let sk: Vec<u8> = r.get(0).map_err(sql_err(p))?;
+                    if let Some(v) = keys::decode_leading_int(&sk) {
+                        add(v);
+                    }
+                }
+            } else {
+                let plan = RangePlan { lo: vec![], hi: None, exact: false, ordered: false };
+                scan_rows(&tx, p, &t, &plan, |row| {
+                    if let SqlValue::Int(v) = row[pos] {
+                        add(v);
+                    }
+                    Ok(true)
+                })?;
+            }
+            Ok(sums.into_iter().map(|(k, (n, s))| (k, n, s)).collect())
+        })
+        .await
+    }
+
     async fn key_seek(&self, table: &TableName, keys: &[String], range: &KeyRange, n: u64, isolation: Isolation) -> Result<Option<Key>, SourceError> {
         let (name, keys, range) = (table.clone(), keys.to_vec(), range.clone());
         self.call(move |c, p, cfg| {

@@ -361,6 +361,21 @@ pub trait CdcSource: Send + Sync {
         isolation: Isolation,
     ) -> Result<Vec<(i64, u64)>, SourceError>;
 
+    /// Reconcile's tier 1: per slice of one integer column over `[lo, hi]`
+    /// (slice `i` holds `[lo + i*width, lo + (i+1)*width)`), the slice start,
+    /// the row count and the exact sum of the column's values, for the
+    /// non-empty slices only, in order. Rows whose column is NULL are not
+    /// counted. One GROUP BY on the server (COUNT_BIG and SUM as decimal(38,0)).
+    async fn bucket_sums(
+        &self,
+        table: &TableName,
+        key: &str,
+        lo: i64,
+        hi: i64,
+        width: i64,
+        isolation: Isolation,
+    ) -> Result<Vec<(i64, u64, i128)>, SourceError>;
+
     /// A keyset seek: the key of the `(n + 1)`-th row, in key order, among the
     /// rows in `range`; None when the range holds `n` rows or fewer. With
     /// `n = 0` it is the first key of the range. Keys compare under the

@@ -1,0 +1,812 @@
+//! The `apply` step: bronze's change log into silver, the current state per key.
+//!
+//! Like the other steps it loads its state (the control table, then the
+//! facts, then the plans), decides with a pure function ([`decide`]) and
+//! commits twice: the MERGE into silver (txn `<app>#silver`, version = the
+//! apply's sequence number), then the control row (txn `<app>#control`, the
+//! same version). A crash between the two is harmless: the next call finds
+//! the MERGE's txn in silver without its control row and writes that row from
+//! the plan the MERGE carried in its commit metadata, before anything else.
+//!
+//! The rule is bronze's rebuild rule: per key, the latest bronze row by
+//! (`_start_lsn`, `_command_id`, `_seqval`, `_operation`); a delete (1) or a
+//! before-image (3) as the latest row removes the key (an update of the key
+//! itself, recorded as 3 and 4, leaves the old key with its 3 and the new one
+//! with its 4; a plain update's 4 outranks its 3). The source of each MERGE is
+//! deduplicated to that latest row first, and silver keeps each image's rank
+//! so an older image never overwrites a newer one.
+//!
+//! What a call applies:
+//! - a completed snapshot newer than the one silver was built from (a
+//!   `bootstrap` or `resnapshot` row): a rebuild from the rows of S and the
+//!   changes after S, deleting the keys absent from them (whatever the key
+//!   type; this is how a re-snapshot's purged gap leaves silver);
+//! - while a chunked snapshot is open: each new wave's chunk rows (taken from
+//!   its `snapshot_chunk` facts rows and their plans rows), each with every
+//!   bronze change of its key after S so a chunk row never brings back a key
+//!   deleted after its stamp; with one integer, date or timestamp key that is
+//!   the open's own, also the range deletes of adr-0028's Amendment;
+//! - otherwise the changes after the applied LSN, up to the stream's position.
+//!
+//! The verdict `finalized_until` moves to the applied LSN only when no
+//! snapshot is open, and only from facts rows.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use chrono::Utc;
+use deltalake::datafusion::common::Column;
+use deltalake::datafusion::prelude::SessionContext;
+use deltalake::DeltaTable;
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use super::chunked::{self, ChunkPayload, OpenPayload, EVENT_SNAPSHOT_CHUNK};
+use super::state::{self, StreamState};
+use super::Context;
+use crate::delta::control::{self, ControlRow};
+use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT, EVENT_SNAPSHOT_OPEN};
+use crate::delta::plans::{self, PlanRow};
+use crate::delta::{self, bronze, silver, sql_str, Appended, TableKind, Txn};
+use crate::error::{StepError, StepResult};
+use crate::failpoint;
+use crate::lsn::Lsn;
+use crate::types::{truncate_to_micros, ColumnDesc, SqlType, SqlValue};
+
+/// What one `apply` does (decided by [`decide`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Action {
+    /// Rebuild from the rows of completed snapshot S and the changes after it, deleting by absence.
+    Rebuild { snapshot: Lsn },
+    /// Apply these waves of the open chunked snapshot S, with the changes after `after`.
+    Waves { snapshot: Lsn, waves: Vec<i64>, after: Option<Lsn> },
+    /// Apply the changes after `after` (None: all of them).
+    Changes { after: Option<Lsn> },
+    /// Nothing new.
+    Nothing,
+}
+
+/// The decision of one apply: the action, up to which LSN, and the control row it leads to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub action: Action,
+    /// The stream's position: the newest LSN the facts say bronze holds.
+    pub to: Option<Lsn>,
+    /// The control row to write once the MERGE is in (metrics filled then).
+    pub next: ControlRow,
+}
+
+/// The result of `apply`, printed as JSON.
+#[derive(Debug, Clone, Serialize)]
+pub struct ApplyResult {
+    pub step: &'static str,
+    pub seq: Option<i64>,
+    pub action: String,
+    pub applied_lsn: Option<Lsn>,
+    pub rows_upserted: i64,
+    pub rows_deleted: i64,
+    pub silver_version: Option<i64>,
+    /// `none`, `open` (a snapshot is being applied; verdict held) or `complete`.
+    pub snapshot_state: &'static str,
+    pub snapshot_lsn: Option<Lsn>,
+    pub open_snapshot_lsn: Option<Lsn>,
+    pub snapshot_wave: Option<i64>,
+    pub finalized_until: Option<Lsn>,
+    pub waves_applied: Vec<i64>,
+    pub range_deletes: bool,
+    /// A control row an earlier call's crash left unwritten, written first.
+    pub repaired: bool,
+}
+
+/// Silver's MERGE txn: one version per apply.
+pub fn txn_merge(app: &str, seq: i64) -> Txn {
+    Txn::new(format!("{app}#silver"), seq)
+}
+
+/// The control row's txn.
+pub fn txn_control(app: &str, seq: i64) -> Txn {
+    Txn::new(format!("{app}#control"), seq)
+}
+
+/// The newest completed snapshot (any generation): S of the newest `bootstrap` or `resnapshot` row.
+pub fn newest_completed(facts: &[FactRow]) -> Option<Lsn> {
+    facts
+        .iter()
+        .filter(|r| matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT)))
+        .filter_map(|r| r.max_lsn)
+        .max()
+}
+
+/// The chunked snapshot open now, if its S is newer than every completed one.
+pub fn open_chunked(facts: &[FactRow]) -> Option<Lsn> {
+    let o = chunked::open_chunked(facts)?;
+    match newest_completed(facts) {
+        Some(c) if c >= o.s => None,
+        _ => Some(o.s),
+    }
+}
+
+/// The waves of snapshot `s` that have facts rows, with their chunks.
+pub fn waves_in_facts(facts: &[FactRow], s: Lsn) -> BTreeMap<i64, BTreeSet<i64>> {
+    let hex = s.to_hex();
+    let mut out: BTreeMap<i64, BTreeSet<i64>> = BTreeMap::new();
+    for r in facts.iter().filter(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_CHUNK)) {
+        let Some(d) = &r.detail else { continue };
+        if d.get("snapshot").and_then(Value::as_str) != Some(hex.as_str()) {
+            continue;
+        }
+        if let (Some(c), Some(w)) = (d.get("chunk").and_then(Value::as_i64), d.get("wave").and_then(Value::as_i64)) {
+            out.entry(w).or_default().insert(c);
+        }
+    }
+    out
+}
+
+/// Whether a full snapshot of the current generation is open (no rows to
+/// apply before its completion, but the verdict waits for it).
+fn full_open(facts: &[FactRow], st: &StreamState) -> bool {
+    facts.iter().any(|r| {
+        r.event.as_deref() == Some(EVENT_SNAPSHOT_OPEN)
+            && r.generation == st.generation
+            && r.detail.as_ref().and_then(|d| d.get("mode")).and_then(Value::as_str) != Some("chunked")
+            && r.min_lsn.is_some_and(|s| !chunked::is_completed(facts, s))
+    })
+}
+
+/// Decides what one apply does (pure): from silver's last control row and
+/// this app id's facts rows.
+pub fn decide(app: &str, last: Option<&ControlRow>, facts: &[FactRow]) -> Decision {
+    let st = StreamState::derive(app, facts, None);
+    let seq = last.map(|c| c.seq + 1).unwrap_or(0);
+    let completed = newest_completed(facts);
+    let open = open_chunked(facts);
+    let held = open.is_some() || full_open(facts, &st);
+    let applied = last.and_then(|c| c.applied_lsn);
+    let mut to = st.position();
+    if let Some(c) = completed {
+        to = to.max(Some(c));
+    }
+    let prev_final = last.and_then(|c| c.finalized_until);
+    let mut next = ControlRow {
+        app_id: app.to_string(),
+        seq,
+        applied_lsn: to.max(applied),
+        snapshot_lsn: last.and_then(|c| c.snapshot_lsn),
+        open_snapshot_lsn: open,
+        snapshot_wave: None,
+        finalized_until: if held { prev_final } else { to.max(applied) },
+        action: String::new(),
+        ..Default::default()
+    };
+    let built_from = last.and_then(|c| c.snapshot_lsn);
+    if let Some(c) = completed.filter(|c| built_from.is_none_or(|b| b < *c)) {
+        next.snapshot_lsn = Some(c);
+        next.action = "rebuild".into();
+        return Decision { action: Action::Rebuild { snapshot: c }, to, next };
+    }
+    if let Some(s) = open {
+        let done = last.filter(|c| c.open_snapshot_lsn == Some(s)).and_then(|c| c.snapshot_wave);
+        next.snapshot_wave = done;
+        let waves: Vec<i64> = waves_in_facts(facts, s).into_keys().filter(|w| done.is_none_or(|d| *w > d)).collect();
+        if let Some(&newest) = waves.last() {
+            next.snapshot_wave = Some(newest);
+            next.action = "waves".into();
+            // Every change after S goes with the chunk rows (a chunk row never
+            // brings back a key deleted after its stamp), and every change
+            // silver has not applied yet.
+            let after = match applied {
+                Some(a) => Some(a.min(s)),
+                None => None,
+            };
+            return Decision { action: Action::Waves { snapshot: s, waves, after }, to, next };
+        }
+    }
+    match (to, applied) {
+        (Some(t), Some(a)) if t <= a => {
+            next.action = "position".into();
+            let same = last.is_some_and(|c| {
+                c.finalized_until == next.finalized_until && c.open_snapshot_lsn == next.open_snapshot_lsn && c.snapshot_wave == next.snapshot_wave
+            });
+            if same {
+                Decision { action: Action::Nothing, to, next }
+            } else {
+                // Only the verdict or the open snapshot moved: a control row, no MERGE.
+                Decision { action: Action::Changes { after: Some(a) }, to, next }
+            }
+        }
+        (None, _) => {
+            next.action = "position".into();
+            Decision { action: Action::Nothing, to, next }
+        }
+        (Some(_), a) => {
+            next.action = "changes".into();
+            Decision { action: Action::Changes { after: a }, to, next }
+        }
+    }
+}
+
+/// The key columns silver merges on: `snapshot.keys`, else the capture
+/// instance's unique index. A capture instance without one is refused
+/// unless keys are given.
+pub fn silver_keys(ctx: &Context) -> StepResult<Vec<ColumnDesc>> {
+    let names = ctx.snapshot_keys();
+    if names.is_empty() {
+        return Err(StepError::Config(format!(
+            "capture instance '{}' has no unique index, so silver cannot tell its rows apart: \
+             set snapshot.keys in {} to columns that identify a row",
+            ctx.instance.name,
+            ctx.workflow.path.display()
+        )));
+    }
+    names
+        .iter()
+        .map(|k| {
+            ctx.instance.column(k).cloned().ok_or_else(|| {
+                StepError::Config(format!("key column '{k}' is not captured by capture instance '{}'", ctx.instance.name))
+            })
+        })
+        .collect()
+}
+
+/// Opens (or creates) silver and its control table. Both are looked at
+/// before either is created, so a bad target writes nothing.
+pub async fn open_tables(ctx: &Context) -> StepResult<(DeltaTable, DeltaTable)> {
+    let silver_loc = ctx.workflow.silver_location("apply")?;
+    let control_loc = silver::control_location_for(&silver_loc);
+    let silver_schema = silver::schema(&ctx.instance.columns);
+    if let Some(mut t) = delta::open_existing(&silver_loc, &ctx.storage).await? {
+        delta::check_kind_and_migrate(&mut t, &silver_loc, TableKind::Silver, &silver_schema).await?;
+    }
+    if let Some(mut t) = delta::open_existing(&control_loc, &ctx.storage).await? {
+        delta::check_kind_and_migrate(&mut t, &control_loc, TableKind::Control, &control::schema()).await?;
+    }
+    let table = ctx.workflow.table_name();
+    let s = delta::open_or_create(&silver_loc, &ctx.storage, TableKind::Silver, &silver_schema, &format!("mssql-cdc silver of {table}: the latest row per key")).await?;
+    let c = delta::open_or_create(&control_loc, &ctx.storage, TableKind::Control, &control::schema(), &format!("mssql-cdc silver control of {table}: a row per apply")).await?;
+    Ok((s, c))
+}
+
+/// This app id's control rows, oldest first.
+pub async fn control_rows(table: &mut DeltaTable, app: &str) -> StepResult<Vec<ControlRow>> {
+    table.update_state().await.map_err(StepError::delta(table.table_url().to_string()))?;
+    let batches = delta::query(table, &format!("SELECT * FROM t WHERE app_id = {}", sql_str(app))).await?;
+    let mut rows = control::from_batches(&batches)?;
+    rows.sort_by_key(|r| r.seq);
+    Ok(rows)
+}
+
+/// The newest control row of this app id.
+pub async fn last_control(table: &mut DeltaTable, app: &str) -> StepResult<Option<ControlRow>> {
+    Ok(control_rows(table, app).await?.pop())
+}
+
+/// A quoted SQL identifier.
+pub fn ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// `a`'s rank is above `b`'s (aliases of two relations with silver's rank columns).
+fn rank_gt(a: &str, b: &str) -> String {
+    format!(
+        "({a}._start_lsn > {b}._start_lsn OR ({a}._start_lsn = {b}._start_lsn AND (COALESCE({a}._command_id, -1) > COALESCE({b}._command_id, -1) \
+         OR (COALESCE({a}._command_id, -1) = COALESCE({b}._command_id, -1) AND (COALESCE({a}._seqval, '') > COALESCE({b}._seqval, '') \
+         OR (COALESCE({a}._seqval, '') = COALESCE({b}._seqval, '') AND {a}._operation > {b}._operation))))))"
+    )
+}
+
+/// The rank of `a` differs from `b`'s.
+fn rank_ne(a: &str, b: &str) -> String {
+    format!(
+        "NOT ({a}._start_lsn = {b}._start_lsn AND COALESCE({a}._command_id, -1) = COALESCE({b}._command_id, -1) \
+         AND COALESCE({a}._seqval, '') = COALESCE({b}._seqval, '') AND {a}._operation = {b}._operation)"
+    )
+}
+
+/// The SQL over bronze (`t`) that gives the latest row per key among the rows `filter` keeps.
+pub fn latest_per_key_sql(columns: &[ColumnDesc], keys: &[ColumnDesc], filter: &str) -> String {
+    let cols: Vec<String> = columns.iter().map(|c| ident(&c.name)).chain(silver::META_COLUMNS.iter().map(|m| m.to_string())).collect();
+    let part: Vec<String> = keys.iter().map(|k| ident(&k.name)).collect();
+    format!(
+        "SELECT {cols} FROM (SELECT {cols}, ROW_NUMBER() OVER (PARTITION BY {part} ORDER BY {start} DESC, COALESCE({cmd}, -1) DESC, \
+         COALESCE({seq}, '') DESC, {op} DESC) AS __rn FROM t WHERE {filter}) AS ranked WHERE __rn = 1",
+        cols = cols.join(", "),
+        part = part.join(", "),
+        start = bronze::START_LSN,
+        cmd = bronze::COMMAND_ID,
+        seq = bronze::SEQVAL,
+        op = bronze::OPERATION,
+    )
+}
+
+/// The bronze rows an action reads, as a filter.
+pub fn source_filter(action: &Action, to: Option<Lsn>, chunks: &[i64]) -> Option<String> {
+    let lsn = |l: Lsn| sql_str(&l.to_hex());
+    let upto = match to {
+        Some(t) => format!(" AND {} <= {}", bronze::START_LSN, lsn(t)),
+        None => String::new(),
+    };
+    let changes_after = |after: Option<Lsn>| match after {
+        Some(a) => format!("({op} <> 0 AND {start} > {a}{upto})", op = bronze::OPERATION, start = bronze::START_LSN, a = lsn(a)),
+        None => format!("({op} <> 0{upto})", op = bronze::OPERATION),
+    };
+    match action {
+        Action::Nothing => None,
+        Action::Rebuild { snapshot } => Some(format!(
+            "({snap} = {s} AND {op} = 0) OR {changes}",
+            snap = bronze::SNAPSHOT,
+            op = bronze::OPERATION,
+            s = lsn(*snapshot),
+            changes = changes_after(Some(*snapshot)),
+        )),
+        Action::Waves { snapshot, after, .. } => {
+            let list: Vec<String> = chunks.iter().map(|c| c.to_string()).collect();
+            let chunk_rows = if list.is_empty() {
+                "FALSE".to_string()
+            } else {
+                format!("({snap} = {s} AND {op} = 0 AND {chunk} IN ({list}))", snap = bronze::SNAPSHOT, op = bronze::OPERATION, chunk = bronze::CHUNK, s = lsn(*snapshot), list = list.join(", "))
+            };
+            Some(format!("{chunk_rows} OR {}", changes_after(*after)))
+        }
+        Action::Changes { after } => Some(changes_after(*after)),
+    }
+}
+
+/// A SQL literal of a chunk bound on silver's key column, for a range delete;
+/// None when the bound cannot be placed exactly (the range delete is then skipped).
+/// A datetime2 bound below the microsecond: a lower one moves up a
+/// microsecond and an upper one is truncated, so no chunk deletes the keys of
+/// that microsecond (the rebuild at the completion does).
+fn bound_literal(v: &SqlValue, ty: &SqlType, lower: bool) -> Option<String> {
+    match (v, ty) {
+        (SqlValue::Int(i), t) if t.is_integer() => Some(format!("CAST({i} AS BIGINT)")),
+        (SqlValue::Date(d), SqlType::Date) => Some(format!("CAST('{}' AS DATE)", d.format("%Y-%m-%d"))),
+        (SqlValue::DateTime(t), SqlType::DateTime | SqlType::SmallDateTime | SqlType::DateTime2 { .. }) => {
+            let mut b = truncate_to_micros(*t);
+            if lower && b != *t {
+                b += chrono::Duration::microseconds(1);
+            }
+            Some(format!("CAST('{}' AS TIMESTAMP)", b.format("%Y-%m-%dT%H:%M:%S%.6f")))
+        }
+        _ => None,
+    }
+}
+
+/// Whether range deletes may run: silver's key is the open's own, one
+/// column, of an integer, date or timestamp type (ordered as SQL Server orders it).
+pub fn range_deletes_allowed(keys: &[ColumnDesc], open_keys: &[String]) -> bool {
+    keys.len() == 1
+        && open_keys.len() == 1
+        && keys[0].name.eq_ignore_ascii_case(&open_keys[0])
+        && (keys[0].sql_type.is_integer() || matches!(keys[0].sql_type, SqlType::Date | SqlType::DateTime | SqlType::SmallDateTime | SqlType::DateTime2 { .. }))
+}
+
+/// The range delete predicate of a wave's chunks over silver (alias `target`):
+/// the keys of `[lo, hi)` whose image is older than the chunk's stamp.
+/// None when no chunk can be placed.
+pub fn range_delete_predicate(key: &ColumnDesc, chunks: &[ChunkPayload]) -> Option<String> {
+    let k = format!("target.{}", ident(&key.name));
+    let mut parts = Vec::new();
+    for c in chunks {
+        let lo = match c.lo.as_ref().and_then(|l| l.first()) {
+            None => format!("({k} IS NULL OR TRUE)"),
+            Some(v) => match bound_literal(v, &key.sql_type, true) {
+                Some(l) => format!("{k} >= {l}"),
+                None => continue,
+            },
+        };
+        let hi = match c.hi.as_ref().and_then(|h| h.first()) {
+            None => "TRUE".to_string(),
+            // An integer bound past BIGINT's range is open above.
+            Some(SqlValue::Decimal { .. }) if key.sql_type.is_integer() => "TRUE".to_string(),
+            Some(v) => match bound_literal(v, &key.sql_type, false) {
+                Some(l) => format!("{k} < {l}"),
+                None => continue,
+            },
+        };
+        parts.push(format!("({lo} AND {hi} AND target._start_lsn < {})", sql_str(&c.stamp.to_hex())));
+    }
+    if parts.is_empty() {
+        None
+    } else {
+        Some(parts.join(" OR "))
+    }
+}
+
+/// Runs the MERGE of one decision. Returns (rows upserted, rows deleted, silver version if committed).
+async fn merge(
+    ctx: &Context,
+    silver_table: &mut DeltaTable,
+    keys: &[ColumnDesc],
+    d: &Decision,
+    chunks: &[ChunkPayload],
+    range_deletes: bool,
+) -> StepResult<(i64, i64, Option<i64>)> {
+    let chunk_ids: Vec<i64> = chunks.iter().map(|c| c.chunk).collect();
+    let Some(filter) = source_filter(&d.action, d.to, &chunk_ids) else { return Ok((0, 0, None)) };
+    let columns = &ctx.instance.columns;
+    let sql = latest_per_key_sql(columns, keys, &filter);
+    let silver_label = ctx.workflow.target.silver.clone().unwrap_or_default();
+    let rebuild = matches!(d.action, Action::Rebuild { .. });
+    // A rebuild streams its source into the MERGE (it may be the whole table);
+    // other sources are the changes since the last apply: collected first,
+    // so an empty one costs no MERGE and the MERGE reads them once.
+    let (source, state) = if rebuild {
+        delta::dataframe(&ctx.bronze, &sql).await?
+    } else {
+        let batches = delta::query(&ctx.bronze, &sql).await?;
+        let n: usize = batches.iter().map(|b| b.num_rows()).sum();
+        if n == 0 && !(range_deletes && !chunks.is_empty()) {
+            return Ok((0, 0, None));
+        }
+        let session = SessionContext::new();
+        let schema = match batches.first() {
+            Some(b) => b.schema(),
+            None => delta::query(&ctx.bronze, &format!("{sql} LIMIT 0")).await?.first().map(|b| b.schema()).unwrap_or_else(|| silver::schema(columns)),
+        };
+        let mem = deltalake::datafusion::datasource::MemTable::try_new(schema, vec![batches])
+            .map_err(|e| StepError::Internal(format!("apply's source: {e}")))?;
+        let df = session.read_table(Arc::new(mem)).map_err(|e| StepError::Internal(format!("apply's source: {e}")))?;
+        (df, session.state())
+    };
+    let on: Vec<String> = keys.iter().map(|k| format!("target.{c} = source.{c}", c = ident(&k.name))).collect();
+    let all_cols: Vec<String> = columns.iter().map(|c| c.name.clone()).chain(silver::META_COLUMNS.iter().map(|m| m.to_string())).collect();
+    let newer = if rebuild { rank_ne("source", "target") } else { rank_gt("source", "target") };
+    let metadata = json!({
+        "kind": "silver_apply",
+        "seq": d.next.seq,
+        "action": d.action,
+        "to": d.to,
+        "control": ControlRow { recorded_at: None, ..d.next.clone() },
+        "chunks": chunk_ids,
+        "range_deletes": range_deletes,
+    });
+    let props = delta::step_commit_properties(&txn_merge(&ctx.workflow.app_id, d.next.seq), metadata);
+    let before = silver_table.version();
+    let mut builder = silver_table
+        .clone()
+        .merge(source, on.join(" AND "))
+        .with_source_alias("source")
+        .with_target_alias("target")
+        .with_session_state(Arc::new(state))
+        .with_commit_properties(props)
+        .when_matched_delete(|del| del.predicate(format!("source._operation IN (1, 3) AND {newer}")))
+        .map_err(StepError::delta(&silver_label))?
+        .when_matched_update(|mut u| {
+            u = u.predicate(format!("source._operation IN (0, 2, 4) AND {newer}"));
+            for c in &all_cols {
+                u = u.update(Column::new_unqualified(c.clone()), format!("source.{}", ident(c)));
+            }
+            u
+        })
+        .map_err(StepError::delta(&silver_label))?
+        .when_not_matched_insert(|mut i| {
+            i = i.predicate("source._operation IN (0, 2, 4)");
+            for c in &all_cols {
+                i = i.set(Column::new_unqualified(c.clone()), format!("source.{}", ident(c)));
+            }
+            i
+        })
+        .map_err(StepError::delta(&silver_label))?;
+    if rebuild {
+        builder = builder.when_not_matched_by_source_delete(|del| del).map_err(StepError::delta(&silver_label))?;
+    } else if range_deletes {
+        if let Some(key) = keys.first() {
+            if let Some(p) = range_delete_predicate(key, chunks) {
+                builder = builder.when_not_matched_by_source_delete(|del| del.predicate(p)).map_err(StepError::delta(&silver_label))?;
+            }
+        }
+    }
+    let (table, metrics) = builder.await.map_err(StepError::delta(&silver_label))?;
+    *silver_table = table;
+    let after = silver_table.version();
+    let committed = if after != before { after.map(|v| v as i64) } else { None };
+    Ok((
+        (metrics.num_target_rows_inserted + metrics.num_target_rows_updated) as i64,
+        metrics.num_target_rows_deleted as i64,
+        committed,
+    ))
+}
+
+async fn append_control(table: &mut DeltaTable, row: &ControlRow) -> StepResult<Appended> {
+    let meta = json!({
+        "control": {"seq": row.seq, "action": row.action, "applied_lsn": row.applied_lsn, "snapshot_lsn": row.snapshot_lsn,
+                    "open_snapshot_lsn": row.open_snapshot_lsn, "snapshot_wave": row.snapshot_wave, "finalized_until": row.finalized_until,
+                    "rows_upserted": row.rows_upserted, "rows_deleted": row.rows_deleted},
+        "app_id": row.app_id,
+    });
+    delta::append_batches(table, vec![control::to_batch(std::slice::from_ref(row))], control::schema(), &txn_control(&row.app_id, row.seq), meta).await
+}
+
+/// Writes the control row of a MERGE a crash left without one (from the
+/// plan in the MERGE's commit metadata). Returns whether it did.
+async fn repair(app: &str, silver_table: &mut DeltaTable, control_table: &mut DeltaTable, last: Option<&ControlRow>) -> StepResult<bool> {
+    let seq = last.map(|c| c.seq + 1).unwrap_or(0);
+    let found = delta::txn_version(silver_table, &format!("{app}#silver")).await?;
+    if found.is_none_or(|v| v < seq) {
+        return Ok(false);
+    }
+    let txn = txn_merge(app, seq);
+    let (version, meta) = delta::find_txn_commit(silver_table, &txn).await?.ok_or_else(|| {
+        StepError::NeedsPerson(format!(
+            "silver holds apply {seq}'s MERGE (txn {}) but its commit is no longer in the log, and the control table has no row for it: \
+             restore the control row, or rebuild silver (delete silver and its control table, then apply)",
+            txn.app_id
+        ))
+    })?;
+    let mut row: ControlRow = serde_json::from_value(meta.get("control").cloned().unwrap_or(Value::Null))
+        .map_err(|e| StepError::Internal(format!("silver commit {version} carries no control plan: {e}")))?;
+    row.silver_version = Some(version);
+    row.recorded_at = Some(Utc::now());
+    let mut detail = row.detail.take().unwrap_or_else(|| json!({}));
+    detail["repaired"] = json!(true);
+    row.detail = Some(detail);
+    append_control(control_table, &row).await?;
+    failpoint!("apply.after_control");
+    tracing::info!(seq, silver_version = version, "wrote the control row of an apply that stopped after its MERGE");
+    Ok(true)
+}
+
+/// The plans rows of snapshot `s` (read after the facts: every facts row finds its plans row).
+async fn plan_rows(ctx: &Context, app: &str, s: Lsn) -> StepResult<Vec<PlanRow>> {
+    let location = plans::location_for(&ctx.workflow.target.bronze);
+    let Some(table) = delta::open_existing(&location, &ctx.storage).await? else { return Ok(vec![]) };
+    let batches = delta::query(&table, &format!("SELECT * FROM t WHERE app_id = {} AND snapshot = {}", sql_str(app), sql_str(&s.to_hex()))).await?;
+    plans::from_batches(&batches)
+}
+
+/// The `apply` step.
+pub async fn run(ctx: &mut Context) -> StepResult<ApplyResult> {
+    let keys = silver_keys(ctx)?;
+    let app = ctx.workflow.app_id.clone();
+    let (mut silver_table, mut control_table) = open_tables(ctx).await?;
+    let mut last = last_control(&mut control_table, &app).await?;
+    let repaired = repair(&app, &mut silver_table, &mut control_table, last.as_ref()).await?;
+    if repaired {
+        last = last_control(&mut control_table, &app).await?;
+    }
+    // Facts first, then the plans: a facts row read always finds its plans row.
+    ctx.facts.update_state().await.map_err(StepError::delta(&ctx.workflow.target.facts))?;
+    ctx.bronze.update_state().await.map_err(StepError::delta(&ctx.workflow.target.bronze))?;
+    let facts = state::facts_rows(&ctx.facts, &app).await?;
+    let d = decide(&app, last.as_ref(), &facts);
+    let mut chunks: Vec<ChunkPayload> = Vec::new();
+    let mut range_deletes = false;
+    if let Action::Waves { snapshot, waves, .. } = &d.action {
+        let prows = plan_rows(ctx, &app, *snapshot).await?;
+        let wanted = waves_in_facts(&facts, *snapshot);
+        for w in waves {
+            for c in wanted.get(w).into_iter().flatten() {
+                let row = prows.iter().find(|r| r.event == EVENT_SNAPSHOT_CHUNK && r.chunk == Some(*c) && r.wave == Some(*w)).ok_or_else(|| {
+                    StepError::NeedsPerson(format!(
+                        "the facts record chunk {c} of wave {w} of the snapshot at {snapshot}, but the plans table has no row for it: \
+                         restore the plans table, or open a new snapshot"
+                    ))
+                })?;
+                let p: ChunkPayload = serde_json::from_value(row.detail.clone()).map_err(|e| StepError::Internal(format!("chunk {c}'s plans row: {e}")))?;
+                chunks.push(p);
+            }
+        }
+        let open: Option<OpenPayload> =
+            prows.iter().find(|r| r.event == EVENT_SNAPSHOT_OPEN).and_then(|r| serde_json::from_value(r.detail.clone()).ok());
+        range_deletes = open.is_some_and(|o| range_deletes_allowed(&keys, &o.keys));
+    }
+    let mut result = ApplyResult {
+        step: "apply",
+        seq: None,
+        action: d.next.action.clone(),
+        applied_lsn: last.as_ref().and_then(|c| c.applied_lsn),
+        rows_upserted: 0,
+        rows_deleted: 0,
+        silver_version: None,
+        snapshot_state: "none",
+        snapshot_lsn: last.as_ref().and_then(|c| c.snapshot_lsn),
+        open_snapshot_lsn: last.as_ref().and_then(|c| c.open_snapshot_lsn),
+        snapshot_wave: last.as_ref().and_then(|c| c.snapshot_wave),
+        finalized_until: last.as_ref().and_then(|c| c.finalized_until),
+        waves_applied: vec![],
+        range_deletes,
+        repaired,
+    };
+    if d.action == Action::Nothing {
+        result.action = "nothing".into();
+        result.snapshot_state = snapshot_state(last.as_ref());
+        return Ok(result);
+    }
+    let (up, del, version) = merge(ctx, &mut silver_table, &keys, &d, &chunks, range_deletes).await?;
+    failpoint!("apply.after_merge");
+    let mut row = d.next.clone();
+    row.rows_upserted = Some(up);
+    row.rows_deleted = Some(del);
+    row.silver_version = version;
+    row.recorded_at = Some(Utc::now());
+    if let Action::Waves { waves, .. } = &d.action {
+        row.detail = Some(json!({"waves": waves, "chunks": chunks.iter().map(|c| c.chunk).collect::<Vec<_>>(), "range_deletes": range_deletes}));
+        result.waves_applied = waves.clone();
+    }
+    append_control(&mut control_table, &row).await?;
+    failpoint!("apply.after_control");
+    tracing::info!(seq = row.seq, action = %row.action, upserted = up, deleted = del, applied = ?row.applied_lsn, "silver applied");
+    result.seq = Some(row.seq);
+    result.applied_lsn = row.applied_lsn;
+    result.rows_upserted = up;
+    result.rows_deleted = del;
+    result.silver_version = version;
+    result.snapshot_state = snapshot_state(Some(&row));
+    result.snapshot_lsn = row.snapshot_lsn;
+    result.open_snapshot_lsn = row.open_snapshot_lsn;
+    result.snapshot_wave = row.snapshot_wave;
+    result.finalized_until = row.finalized_until;
+    Ok(result)
+}
+
+fn snapshot_state(row: Option<&ControlRow>) -> &'static str {
+    match row {
+        Some(r) if r.open_snapshot_lsn.is_some() => "open",
+        Some(r) if r.snapshot_lsn.is_some() => "complete",
+        _ => "none",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lsn(n: u128) -> Lsn {
+        Lsn::from_u128(n)
+    }
+
+    fn event(gen: i32, name: &str, at: u128, detail: Option<Value>) -> FactRow {
+        FactRow { app_id: "a".into(), generation: gen, event: Some(name.into()), min_lsn: Some(lsn(at)), max_lsn: Some(lsn(at)), detail, ..Default::default() }
+    }
+
+    fn batch(gen: i32, id: i64, to: u128) -> FactRow {
+        FactRow { app_id: "a".into(), generation: gen, batch_id: Some(id), min_lsn: Some(lsn(to - 1)), max_lsn: Some(lsn(to)), ..Default::default() }
+    }
+
+    fn chunk(s: u128, c: i64, w: i64) -> FactRow {
+        FactRow {
+            app_id: "a".into(),
+            event: Some(EVENT_SNAPSHOT_CHUNK.into()),
+            min_lsn: Some(lsn(s + 1)),
+            max_lsn: Some(lsn(s + 2)),
+            detail: Some(json!({"snapshot": lsn(s).to_hex(), "chunk": c, "wave": w})),
+            ..Default::default()
+        }
+    }
+
+    fn control(seq: i64, applied: u128, snap: Option<u128>, open: Option<u128>, wave: Option<i64>, fin: Option<u128>) -> ControlRow {
+        ControlRow {
+            app_id: "a".into(),
+            seq,
+            applied_lsn: Some(lsn(applied)),
+            snapshot_lsn: snap.map(lsn),
+            open_snapshot_lsn: open.map(lsn),
+            snapshot_wave: wave,
+            finalized_until: fin.map(lsn),
+            action: "changes".into(),
+            ..Default::default()
+        }
+    }
+
+    fn chunked_open(gen: i32, s: u128, kind: &str) -> FactRow {
+        event(gen, EVENT_SNAPSHOT_OPEN, s, Some(json!({"mode": "chunked", "kind": kind})))
+    }
+
+    #[test]
+    fn a_first_apply_after_a_bootstrap_rebuilds_from_it() {
+        let facts = vec![event(0, EVENT_SNAPSHOT_OPEN, 10, Some(json!({"mode": "full"}))), event(0, EVENT_BOOTSTRAP, 10, None), batch(0, 0, 20)];
+        let d = decide("a", None, &facts);
+        assert_eq!(d.action, Action::Rebuild { snapshot: lsn(10) });
+        assert_eq!(d.to, Some(lsn(20)));
+        assert_eq!(d.next.seq, 0);
+        assert_eq!(d.next.applied_lsn, Some(lsn(20)));
+        assert_eq!(d.next.finalized_until, Some(lsn(20)));
+        // The next call applies the changes after 20 only.
+        let mut facts2 = facts.clone();
+        facts2.push(batch(0, 1, 30));
+        let d2 = decide("a", Some(&d.next), &facts2);
+        assert_eq!(d2.action, Action::Changes { after: Some(lsn(20)) });
+        assert_eq!(d2.next.seq, 1);
+        assert_eq!(d2.next.applied_lsn, Some(lsn(30)));
+        // And with nothing new, nothing at all.
+        let d3 = decide("a", Some(&d2.next), &facts2);
+        assert_eq!(d3.action, Action::Nothing);
+    }
+
+    #[test]
+    fn a_stream_without_a_snapshot_applies_every_change() {
+        let facts = vec![event(0, "stream_start", 5, None), batch(0, 0, 20)];
+        let d = decide("a", None, &facts);
+        assert_eq!(d.action, Action::Changes { after: None });
+        assert_eq!(d.next.finalized_until, Some(lsn(20)));
+    }
+
+    #[test]
+    fn a_resnapshot_rebuilds_and_deletes_by_absence() {
+        let facts = vec![event(0, EVENT_BOOTSTRAP, 10, None), batch(0, 0, 20), event(1, EVENT_RESNAPSHOT, 50, None), batch(1, 0, 60)];
+        let last = control(3, 20, Some(10), None, None, Some(20));
+        let d = decide("a", Some(&last), &facts);
+        assert_eq!(d.action, Action::Rebuild { snapshot: lsn(50) });
+        assert_eq!(d.next.snapshot_lsn, Some(lsn(50)));
+        assert_eq!(d.next.applied_lsn, Some(lsn(60)));
+        assert_eq!(d.next.seq, 4);
+    }
+
+    #[test]
+    fn waves_are_applied_as_they_arrive_and_the_verdict_is_held() {
+        let mut facts = vec![chunked_open(0, 10, "bootstrap"), batch(0, 0, 20), chunk(10, 0, 0), chunk(10, 1, 0)];
+        let d = decide("a", None, &facts);
+        assert_eq!(d.action, Action::Waves { snapshot: lsn(10), waves: vec![0], after: None });
+        assert_eq!(d.next.open_snapshot_lsn, Some(lsn(10)));
+        assert_eq!(d.next.snapshot_wave, Some(0));
+        assert_eq!(d.next.finalized_until, None, "held while the snapshot is open");
+        // The same wave is not applied twice; changes go on.
+        facts.push(batch(0, 1, 30));
+        let d2 = decide("a", Some(&d.next), &facts);
+        assert_eq!(d2.action, Action::Changes { after: Some(lsn(20)) });
+        assert_eq!(d2.next.snapshot_wave, Some(0));
+        assert_eq!(d2.next.finalized_until, None);
+        // A new wave: the changes after S go with it.
+        facts.push(chunk(10, 2, 1));
+        let d3 = decide("a", Some(&d2.next), &facts);
+        assert_eq!(d3.action, Action::Waves { snapshot: lsn(10), waves: vec![1], after: Some(lsn(10)) });
+        // The completion: a rebuild from S, and the verdict moves.
+        facts.push(event(0, EVENT_BOOTSTRAP, 10, None));
+        let d4 = decide("a", Some(&d3.next), &facts);
+        assert_eq!(d4.action, Action::Rebuild { snapshot: lsn(10) });
+        assert_eq!(d4.next.open_snapshot_lsn, None);
+        assert_eq!(d4.next.finalized_until, Some(lsn(30)));
+    }
+
+    #[test]
+    fn a_chunked_resnapshot_holds_the_verdict_where_it_was() {
+        let facts = vec![event(0, EVENT_BOOTSTRAP, 10, None), batch(0, 0, 20), chunked_open(1, 40, "resnapshot"), batch(1, 0, 45), chunk(40, 0, 0)];
+        let last = control(2, 20, Some(10), None, None, Some(20));
+        let d = decide("a", Some(&last), &facts);
+        assert_eq!(d.action, Action::Waves { snapshot: lsn(40), waves: vec![0], after: Some(lsn(20)) });
+        assert_eq!(d.next.finalized_until, Some(lsn(20)), "held at its value before the open");
+        assert_eq!(d.next.applied_lsn, Some(lsn(45)));
+    }
+
+    #[test]
+    fn range_deletes_only_on_one_ordered_key_that_is_the_opens() {
+        let id = ColumnDesc::new("id", SqlType::Int, false);
+        let name = ColumnDesc::new("name", SqlType::NVarChar { len: Some(10) }, false);
+        let ts = ColumnDesc::new("at", SqlType::DateTime2 { scale: 7 }, false);
+        assert!(range_deletes_allowed(std::slice::from_ref(&id), &["ID".into()]));
+        assert!(range_deletes_allowed(std::slice::from_ref(&ts), &["at".into()]));
+        assert!(!range_deletes_allowed(&[id.clone(), name.clone()], &["id".into(), "name".into()]), "composite");
+        assert!(!range_deletes_allowed(std::slice::from_ref(&name), &["name".into()]), "string");
+        assert!(!range_deletes_allowed(std::slice::from_ref(&id), &["other".into()]), "not the open's key");
+    }
+
+    #[test]
+    fn range_delete_bounds_follow_the_microsecond_and_bigint_rules() {
+        let ts = ColumnDesc::new("at", SqlType::DateTime2 { scale: 7 }, false);
+        let t = chrono::NaiveDate::from_ymd_opt(2026, 1, 2).unwrap().and_hms_nano_opt(3, 4, 5, 123_456_700).unwrap();
+        let c = ChunkPayload {
+            chunk: 1,
+            wave: 0,
+            lo: Some(vec![SqlValue::DateTime(t)]),
+            hi: Some(vec![SqlValue::DateTime(t + chrono::Duration::seconds(1))]),
+            last: false,
+            rows: 0,
+            stamp: lsn(7),
+            max_lsn: lsn(8),
+            read_ms: None,
+            rounds: 1,
+            bronze_version: None,
+        };
+        let p = range_delete_predicate(&ts, std::slice::from_ref(&c)).unwrap();
+        assert!(p.contains(">= CAST('2026-01-02T03:04:05.123457' AS TIMESTAMP)"), "a lower bound inside a microsecond moves up: {p}");
+        assert!(p.contains("< CAST('2026-01-02T03:04:06.123456' AS TIMESTAMP)"), "an upper one is truncated: {p}");
+        let id = ColumnDesc::new("id", SqlType::BigInt, false);
+        let last = ChunkPayload { lo: Some(vec![SqlValue::Int(100)]), hi: Some(vec![SqlValue::Decimal { value: i64::MAX as i128 + 1, scale: 0 }]), ..c.clone() };
+        let p = range_delete_predicate(&id, &[last]).unwrap();
+        assert!(p.contains(">= CAST(100 AS BIGINT) AND TRUE"), "past BIGINT's max is open: {p}");
+        let first = ChunkPayload { lo: None, hi: Some(vec![SqlValue::Int(5)]), ..c };
+        let p = range_delete_predicate(&id, &[first]).unwrap();
+        assert!(p.contains("IS NULL") && p.contains("< CAST(5 AS BIGINT)"), "{p}");
+    }
+}

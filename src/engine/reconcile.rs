@@ -1,0 +1,718 @@
+//! The `reconcile` step: is silver the source table, as of what silver applied?
+//!
+//! Tier 1 compares cheap aggregates: with one integer key, the row count and
+//! the exact key sum per bucket of the key on both sides (one GROUP BY on the
+//! source, [`crate::source::CdcSource::bucket_sums`]); with any other key, the
+//! whole table is one bucket. Tier 2 reads every mismatched bucket and a
+//! sample of the matching ones through the snapshot reader, hashes each row
+//! on both sides with the same function (SHA-256 of a canonical encoding,
+//! [`row_hash`]) and classifies each key that differs:
+//! - `MISSING_TARGET`: in the source, not in silver;
+//! - `MISSING_SOURCE`: in silver, not in the source;
+//! - `RECORD_DIFF`: in both, with other values;
+//! - `IN_FLIGHT`: any of those, for a key with a change silver has not
+//!   applied yet: in bronze after silver's applied LSN, or in the change
+//!   table after bronze's position up to the max LSN read after the source
+//!   reads (adr-0028 Amendment 2). Keys compare null-safely (a NULL key
+//!   column is a value of its own), and the report writes it as null.
+//!
+//! With the facts table, the newest chunked snapshot's chunks are checked
+//! against their plan and bronze: `CHUNK_TILING` (a chunk's bounds are not
+//! the plan's, or do not meet the next chunk's), `CHUNK_ROWS` (bronze holds
+//! another number of rows than the chunk recorded), `CHUNK_STAMP` (a stamp
+//! below S, or rows stamped otherwise).
+//!
+//! The report (one summary row, one row per difference) is appended to the
+//! reconcile table with txn `<app>#reconcile`, version = the run. The step
+//! is clean when only IN_FLIGHT remains; otherwise the CLI exits 3.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use chrono::Utc;
+use deltalake::arrow::array::{Array, Int64Array, StringArray};
+use deltalake::arrow::record_batch::RecordBatch;
+use deltalake::DeltaTable;
+use futures::StreamExt;
+use serde::Serialize;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use super::apply::{self, ident};
+use super::chunked::{ChunkPayload, PlanPayload, EVENT_SNAPSHOT_CHUNK, EVENT_SNAPSHOT_PLAN};
+use super::rebuild::key_text;
+use super::state;
+use super::Context;
+use crate::delta::facts::{FactRow, EVENT_SNAPSHOT_OPEN};
+use crate::delta::reconcile::{self as report, ReportRow};
+use crate::delta::{self, bronze, plans, silver, sql_str, TableKind, Txn};
+use crate::error::{StepError, StepResult};
+use crate::failpoint;
+use crate::lsn::Lsn;
+use crate::source::{KeyRange, RowFilter, SnapshotRead, SourceError};
+use crate::types::{as_stored, value_at, ColumnDesc, Key, SqlValue};
+
+pub const MISSING_TARGET: &str = "MISSING_TARGET";
+pub const MISSING_SOURCE: &str = "MISSING_SOURCE";
+pub const RECORD_DIFF: &str = "RECORD_DIFF";
+pub const IN_FLIGHT: &str = "IN_FLIGHT";
+pub const CHUNK_TILING: &str = "CHUNK_TILING";
+pub const CHUNK_ROWS: &str = "CHUNK_ROWS";
+pub const CHUNK_STAMP: &str = "CHUNK_STAMP";
+/// Every class, in report order.
+pub const CLASSES: &[&str] = &[MISSING_TARGET, MISSING_SOURCE, RECORD_DIFF, IN_FLIGHT, CHUNK_TILING, CHUNK_ROWS, CHUNK_STAMP];
+
+/// The result of `reconcile`, printed as JSON.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReconcileResult {
+    pub step: &'static str,
+    pub run: i64,
+    /// No difference but IN_FLIGHT.
+    pub clean: bool,
+    /// Differences other than IN_FLIGHT.
+    pub differences: u64,
+    pub counts: BTreeMap<String, u64>,
+    /// `buckets` (one integer key) or `count` (the whole table as one bucket).
+    pub tier1: &'static str,
+    pub buckets: usize,
+    pub buckets_mismatched: usize,
+    pub buckets_compared: usize,
+    pub rows_source: u64,
+    pub rows_target: u64,
+    pub rows_compared: u64,
+    pub applied_lsn: Option<Lsn>,
+    pub source_max_lsn: Option<Lsn>,
+    pub chunk_snapshot: Option<Lsn>,
+    pub chunks_checked: usize,
+    /// The first differences found (class and key).
+    pub samples: Vec<Value>,
+    pub report: String,
+}
+
+/// One difference found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Difference {
+    pub class: &'static str,
+    pub key: Option<Key>,
+    pub bucket: Option<i64>,
+    pub chunk: Option<i64>,
+    pub source_hash: Option<String>,
+    pub target_hash: Option<String>,
+    pub detail: Option<Value>,
+}
+
+/// SHA-256 (hex) of a row's canonical encoding: each value's canonical text,
+/// separated by U+001F. The source side passes its values through
+/// [`as_stored`] first, so both sides encode what Delta holds.
+pub fn row_hash(values: &[SqlValue]) -> String {
+    let mut h = Sha256::new();
+    for (i, v) in values.iter().enumerate() {
+        if i > 0 {
+            h.update([0x1f]);
+        }
+        h.update(v.canonical().as_bytes());
+    }
+    hex::encode(h.finalize())
+}
+
+/// The key as a JSON object for the report: column -> value, NULL as null.
+pub fn key_json(keys: &[ColumnDesc], key: &[SqlValue]) -> Value {
+    let mut m = serde_json::Map::new();
+    for (k, v) in keys.iter().zip(key) {
+        let j = match v {
+            SqlValue::Null => Value::Null,
+            SqlValue::Int(i) => json!(i),
+            SqlValue::Bool(b) => json!(b),
+            other => json!(other.canonical().trim_matches('"')),
+        };
+        m.insert(k.name.clone(), j);
+    }
+    Value::Object(m)
+}
+
+/// Rows of one side of a compared range: key text -> (key, hash).
+pub type Side = HashMap<String, (Key, String)>;
+
+/// Classifies the keys of one range (pure). `in_flight` holds the key texts
+/// with a change silver has not applied.
+pub fn classify(source: &Side, target: &Side, in_flight: &HashSet<String>, bucket: Option<i64>) -> Vec<Difference> {
+    let mut out = Vec::new();
+    let mut push = |class: &'static str, kt: &str, key: &Key, s: Option<&String>, t: Option<&String>| {
+        let class = if in_flight.contains(kt) { IN_FLIGHT } else { class };
+        out.push(Difference {
+            class,
+            key: Some(key.clone()),
+            bucket,
+            chunk: None,
+            source_hash: s.cloned(),
+            target_hash: t.cloned(),
+            detail: None,
+        });
+    };
+    let mut skeys: Vec<&String> = source.keys().collect();
+    skeys.sort();
+    for kt in skeys {
+        let (key, sh) = &source[kt];
+        match target.get(kt) {
+            None => push(MISSING_TARGET, kt, key, Some(sh), None),
+            Some((_, th)) if th != sh => push(RECORD_DIFF, kt, key, Some(sh), Some(th)),
+            Some(_) => {}
+        }
+    }
+    let mut tkeys: Vec<&String> = target.keys().filter(|k| !source.contains_key(*k)).collect();
+    tkeys.sort();
+    for kt in tkeys {
+        let (key, th) = &target[kt];
+        push(MISSING_SOURCE, kt, key, None, Some(th));
+    }
+    out
+}
+
+/// One tier 1 bucket of an integer key: `[start, start + width)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bucket {
+    pub start: i64,
+    pub n: u64,
+    pub sum: i128,
+}
+
+/// Which buckets tier 2 compares (pure): every one whose count or key sum
+/// differs, and `fraction` of the others, picked by a hash of (bucket, run)
+/// so each run looks at other ones.
+pub fn buckets_to_compare(source: &BTreeMap<i64, (u64, i128)>, target: &BTreeMap<i64, (u64, i128)>, fraction: f64, run: i64) -> (Vec<i64>, usize) {
+    let all: std::collections::BTreeSet<i64> = source.keys().chain(target.keys()).copied().collect();
+    let mut mismatched = Vec::new();
+    let mut matching = Vec::new();
+    for b in all {
+        if source.get(&b) != target.get(&b) {
+            mismatched.push(b);
+        } else {
+            matching.push(b);
+        }
+    }
+    let take = ((matching.len() as f64) * fraction).ceil() as usize;
+    let mut scored: Vec<(u64, i64)> = matching
+        .iter()
+        .map(|b| {
+            let mut h = Sha256::new();
+            h.update(b.to_le_bytes());
+            h.update(run.to_le_bytes());
+            let d = h.finalize();
+            (u64::from_le_bytes(d[..8].try_into().expect("8 bytes")), *b)
+        })
+        .collect();
+    scored.sort();
+    let n_mismatched = mismatched.len();
+    let mut out = mismatched;
+    out.extend(scored.into_iter().take(take).map(|(_, b)| b));
+    out.sort();
+    (out, n_mismatched)
+}
+
+/// The tiling, rows and stamps of a chunked snapshot's recorded chunks (pure).
+/// `bronze_chunks`: chunk -> (rows, min _start_lsn, max _start_lsn) of its operation-0 rows.
+pub fn check_chunks(s: Lsn, plan: &PlanPayload, chunks: &[ChunkPayload], bronze_chunks: &BTreeMap<i64, (i64, String, String)>) -> Vec<Difference> {
+    let mut out = Vec::new();
+    let mut diff = |class: &'static str, chunk: i64, detail: Value| {
+        out.push(Difference { class, key: None, bucket: None, chunk: Some(chunk), source_hash: None, target_hash: None, detail: Some(detail) });
+    };
+    let mut sorted: Vec<&ChunkPayload> = chunks.iter().collect();
+    sorted.sort_by_key(|c| c.chunk);
+    sorted.dedup_by_key(|c| c.chunk);
+    let last_planned = plan.chunks.iter().map(|c| c.chunk).max();
+    for c in &sorted {
+        match plan.chunks.iter().find(|p| p.chunk == c.chunk) {
+            None => diff(CHUNK_TILING, c.chunk, json!({"problem": "not in the plan"})),
+            Some(p) => {
+                let open_end = plan.open_end && Some(c.chunk) == last_planned;
+                if p.lo != c.lo || (p.hi != c.hi && !open_end) {
+                    diff(CHUNK_TILING, c.chunk, json!({"problem": "bounds differ from the plan", "plan": {"lo": p.lo, "hi": p.hi}, "chunk": {"lo": c.lo, "hi": c.hi}}));
+                }
+            }
+        }
+    }
+    for pair in sorted.windows(2) {
+        if pair[1].chunk == pair[0].chunk + 1 && pair[0].hi != pair[1].lo {
+            diff(CHUNK_TILING, pair[1].chunk, json!({"problem": "does not start where the chunk before ends", "before_hi": pair[0].hi, "lo": pair[1].lo}));
+        }
+    }
+    if let Some(first) = sorted.first().filter(|c| c.chunk == 0) {
+        if first.lo.is_some() {
+            diff(CHUNK_TILING, 0, json!({"problem": "the first chunk is not open below (NULL keys and keys below MIN)"}));
+        }
+    }
+    for c in &sorted {
+        if c.stamp < s {
+            diff(CHUNK_STAMP, c.chunk, json!({"problem": "stamp below S", "stamp": c.stamp, "snapshot": s}));
+        }
+        let stamp = c.stamp.to_hex();
+        match bronze_chunks.get(&c.chunk) {
+            None if c.rows == 0 => {}
+            None => diff(CHUNK_ROWS, c.chunk, json!({"recorded": c.rows, "bronze": 0})),
+            Some((n, lo, hi)) => {
+                if *n != c.rows {
+                    diff(CHUNK_ROWS, c.chunk, json!({"recorded": c.rows, "bronze": n}));
+                }
+                if *lo != stamp || *hi != stamp {
+                    diff(CHUNK_STAMP, c.chunk, json!({"problem": "rows stamped otherwise", "stamp": stamp, "min": lo, "max": hi}));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn i64_col(b: &RecordBatch, i: usize) -> StepResult<&Int64Array> {
+    b.column(i).as_any().downcast_ref::<Int64Array>().ok_or_else(|| StepError::Internal(format!("column {i} is not bigint")))
+}
+
+/// The rows of one side, keyed: `values` gives a row's values in capture order.
+fn add_rows(side: &mut Side, batch: &RecordBatch, columns: &[ColumnDesc], key_idx: &[usize], stored: bool) {
+    let arrays: Vec<Option<&dyn Array>> = columns
+        .iter()
+        .map(|c| batch.schema().fields().iter().position(|f| f.name().eq_ignore_ascii_case(&c.name)).map(|i| batch.column(i).as_ref()))
+        .collect();
+    for r in 0..batch.num_rows() {
+        let values: Vec<SqlValue> = columns
+            .iter()
+            .zip(&arrays)
+            .map(|(c, a)| match a {
+                Some(a) => {
+                    let v = value_at(*a, r, &c.sql_type);
+                    if stored {
+                        as_stored(&v, &c.sql_type)
+                    } else {
+                        v
+                    }
+                }
+                None => SqlValue::Null,
+            })
+            .collect();
+        let key: Key = key_idx.iter().map(|&i| values[i].clone()).collect();
+        side.insert(key_text(&key), (key, row_hash(&values)));
+    }
+}
+
+/// A SQL predicate over silver for a tier 2 range of one integer key.
+fn range_sql(key: &str, range: &KeyRange) -> String {
+    let k = ident(key);
+    let lo = match range.lo.as_ref().and_then(|l| l.first()).and_then(SqlValue::as_i64) {
+        Some(v) => format!("{k} >= {v}"),
+        None => "TRUE".into(),
+    };
+    let hi = match range.hi.as_ref().and_then(|h| h.first()).and_then(SqlValue::as_i64) {
+        Some(v) => format!("({k} < {v} OR {k} IS NULL)"),
+        None => "TRUE".into(),
+    };
+    format!("{lo} AND {hi}")
+}
+
+/// The key texts of bronze's changes after `after` (all changes when None).
+async fn bronze_changed_keys(bronze_table: &DeltaTable, keys: &[ColumnDesc], after: Option<Lsn>) -> StepResult<HashSet<String>> {
+    let cols: Vec<String> = keys.iter().map(|k| ident(&k.name)).collect();
+    let filter = match after {
+        Some(a) => format!("{} <> 0 AND {} > {}", bronze::OPERATION, bronze::START_LSN, sql_str(&a.to_hex())),
+        None => format!("{} <> 0", bronze::OPERATION),
+    };
+    let mut stream = delta::query_stream(bronze_table, &format!("SELECT DISTINCT {} FROM t WHERE {filter}", cols.join(", "))).await?;
+    let mut out = HashSet::new();
+    while let Some(b) = stream.next().await {
+        let b = delta::plain_types(&b.map_err(|e| StepError::Temporary(format!("reading bronze: {e}")))?)?;
+        for r in 0..b.num_rows() {
+            let key: Key = keys.iter().enumerate().map(|(i, k)| value_at(b.column(i).as_ref(), r, &k.sql_type)).collect();
+            out.insert(key_text(&key));
+        }
+    }
+    Ok(out)
+}
+
+/// The key texts of the change table's changes in `(position, max]`: what
+/// the stream has not read yet (keys only, through the stream's own read).
+async fn change_table_keys(ctx: &Context, keys: &[ColumnDesc], position: Option<Lsn>, max: Option<Lsn>) -> StepResult<HashSet<String>> {
+    let mut out = HashSet::new();
+    let (Some(max), Some(pos)) = (max, position) else { return Ok(out) };
+    if pos >= max {
+        return Ok(out);
+    }
+    let from = ctx.source.increment_lsn(pos).await?;
+    let mut stream = match ctx.source.changes(&ctx.instance, from, max, RowFilter::All, 8192).await {
+        Ok(s) => s,
+        Err(SourceError::RangeUnavailable { .. }) => {
+            tracing::warn!(%pos, %max, "the change table no longer holds the stream's lag (cleanup): IN_FLIGHT counts bronze's changes only");
+            return Ok(out);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    while let Some(b) = stream.next().await {
+        let b = b?;
+        let idx: Vec<Option<usize>> = keys.iter().map(|k| b.schema().fields().iter().position(|f| f.name().eq_ignore_ascii_case(&k.name))).collect();
+        for r in 0..b.num_rows() {
+            let key: Key = keys
+                .iter()
+                .zip(&idx)
+                .map(|(k, i)| match i {
+                    Some(i) => as_stored(&value_at(b.column(*i).as_ref(), r, &k.sql_type), &k.sql_type),
+                    None => SqlValue::Null,
+                })
+                .collect();
+            out.insert(key_text(&key));
+        }
+    }
+    Ok(out)
+}
+
+/// Checks the newest chunked snapshot's recorded chunks against its plan and bronze.
+async fn chunk_checks(ctx: &Context, facts: &[FactRow]) -> StepResult<(Option<Lsn>, usize, Vec<Difference>)> {
+    let newest = facts
+        .iter()
+        .filter(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_OPEN))
+        .filter(|r| r.detail.as_ref().and_then(|d| d.get("mode")).and_then(Value::as_str) == Some("chunked"))
+        .filter_map(|r| r.min_lsn)
+        .max();
+    let Some(s) = newest else { return Ok((None, 0, vec![])) };
+    let recorded = apply::waves_in_facts(facts, s);
+    let location = plans::location_for(&ctx.workflow.target.bronze);
+    let Some(table) = delta::open_existing(&location, &ctx.storage).await? else { return Ok((Some(s), 0, vec![])) };
+    let batches = delta::query(&table, &format!("SELECT * FROM t WHERE app_id = {} AND snapshot = {}", sql_str(&ctx.workflow.app_id), sql_str(&s.to_hex()))).await?;
+    let rows = plans::from_batches(&batches)?;
+    let Some(plan) = rows.iter().find(|r| r.event == EVENT_SNAPSHOT_PLAN) else { return Ok((Some(s), 0, vec![])) };
+    let plan: PlanPayload = serde_json::from_value(plan.detail.clone()).map_err(|e| StepError::Internal(format!("plan row: {e}")))?;
+    let mut chunks: Vec<ChunkPayload> = Vec::new();
+    for r in rows.iter().filter(|r| r.event == EVENT_SNAPSHOT_CHUNK) {
+        let (Some(c), Some(w)) = (r.chunk, r.wave) else { continue };
+        if recorded.get(&w).is_some_and(|cs| cs.contains(&c)) {
+            chunks.push(serde_json::from_value(r.detail.clone()).map_err(|e| StepError::Internal(format!("chunk {c}'s plans row: {e}")))?);
+        }
+    }
+    let sql = format!(
+        "SELECT {chunk}, COUNT(*) AS n, MIN({start}) AS lo, MAX({start}) AS hi FROM t WHERE {snap} = {s} AND {op} = 0 AND {chunk} IS NOT NULL GROUP BY {chunk}",
+        chunk = bronze::CHUNK,
+        start = bronze::START_LSN,
+        snap = bronze::SNAPSHOT,
+        op = bronze::OPERATION,
+        s = sql_str(&s.to_hex())
+    );
+    let mut bronze_chunks = BTreeMap::new();
+    for b in delta::query(&ctx.bronze, &sql).await? {
+        let (c, n) = (i64_col(&b, 0)?, i64_col(&b, 1)?);
+        let lo = b.column(2).as_any().downcast_ref::<StringArray>().ok_or_else(|| StepError::Internal("min stamp".into()))?;
+        let hi = b.column(3).as_any().downcast_ref::<StringArray>().ok_or_else(|| StepError::Internal("max stamp".into()))?;
+        for i in 0..b.num_rows() {
+            bronze_chunks.insert(c.value(i), (n.value(i), lo.value(i).to_string(), hi.value(i).to_string()));
+        }
+    }
+    let diffs = check_chunks(s, &plan, &chunks, &bronze_chunks);
+    Ok((Some(s), chunks.len(), diffs))
+}
+
+/// The `reconcile` step.
+pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
+    let keys = apply::silver_keys(ctx)?;
+    let app = ctx.workflow.app_id.clone();
+    let silver_loc = ctx.workflow.silver_location("reconcile")?;
+    let report_loc = ctx.workflow.reconcile_location()?;
+    let no_silver = || StepError::Config(format!("silver {silver_loc} has no applied state yet: run `mssql-cdc --workflow FILE apply` first"));
+    let mut silver_table = delta::open_existing(&silver_loc, &ctx.storage).await?.ok_or_else(no_silver)?;
+    delta::check_kind_and_migrate(&mut silver_table, &silver_loc, TableKind::Silver, &silver::schema(&ctx.instance.columns)).await?;
+    let control_loc = silver::control_location_for(&silver_loc);
+    let mut control_table = delta::open_existing(&control_loc, &ctx.storage).await?.ok_or_else(no_silver)?;
+    delta::check_kind_and_migrate(&mut control_table, &control_loc, TableKind::Control, &crate::delta::control::schema()).await?;
+    if let Some(mut t) = delta::open_existing(&report_loc, &ctx.storage).await? {
+        delta::check_kind_and_migrate(&mut t, &report_loc, TableKind::Reconcile, &report::schema()).await?;
+    }
+    let control = apply::last_control(&mut control_table, &app).await?.ok_or_else(no_silver)?;
+    let applied = control.applied_lsn;
+    let mut report_table = delta::open_or_create(
+        &report_loc,
+        &ctx.storage,
+        TableKind::Reconcile,
+        &report::schema(),
+        &format!("mssql-cdc reconcile reports of {}: a summary row per run and a row per difference", ctx.workflow.table_name()),
+    )
+    .await?;
+    let run = delta::txn_version(&report_table, &format!("{app}#reconcile")).await?.map(|v| v + 1).unwrap_or(0);
+    let opts = ctx.workflow.reconcile.clone();
+    let columns = ctx.instance.columns.clone();
+    let key_idx: Vec<usize> = keys.iter().map(|k| columns.iter().position(|c| c.name == k.name).expect("a key is captured")).collect();
+    let table = ctx.workflow.table_name();
+    let iso = ctx.workflow.snapshot.isolation;
+    let key_names: Vec<String> = keys.iter().map(|k| k.name.clone()).collect();
+
+    // Tier 1.
+    let integer = keys.len() == 1 && keys[0].sql_type.is_integer();
+    let mut ranges: Vec<(Option<i64>, KeyRange)> = Vec::new();
+    let (mut rows_source, mut rows_target) = (0u64, 0u64);
+    let (tier1, n_buckets, n_mismatched);
+    if integer {
+        let k = &keys[0].name;
+        let src_ext = ctx.source.key_extent(&table, &key_names, iso).await?;
+        let ext_sql = format!("SELECT CAST(MIN({k}) AS BIGINT), CAST(MAX({k}) AS BIGINT) FROM t", k = ident(k));
+        let tb = delta::query(&silver_table, &ext_sql).await?;
+        let mut lo: Option<i64> = None;
+        let mut hi: Option<i64> = None;
+        let mut widen = |v: Option<i64>| {
+            if let Some(v) = v {
+                lo = Some(lo.map_or(v, |l| l.min(v)));
+                hi = Some(hi.map_or(v, |h| h.max(v)));
+            }
+        };
+        if let Some((a, b)) = &src_ext {
+            widen(a.first().and_then(SqlValue::as_i64));
+            widen(b.first().and_then(SqlValue::as_i64));
+        }
+        for b in &tb {
+            for col in 0..2 {
+                let a = i64_col(b, col)?;
+                for i in 0..b.num_rows() {
+                    widen(if a.is_null(i) { None } else { Some(a.value(i)) });
+                }
+            }
+        }
+        let mut src: BTreeMap<i64, (u64, i128)> = BTreeMap::new();
+        let mut tgt: BTreeMap<i64, (u64, i128)> = BTreeMap::new();
+        let mut width = 1i64;
+        if let (Some(lo), Some(hi)) = (lo, hi) {
+            let span = hi as i128 - lo as i128 + 1;
+            width = i64::try_from((span + opts.buckets as i128 - 1) / opts.buckets as i128).unwrap_or(i64::MAX).max(1);
+            for (start, n, sum) in ctx.source.bucket_sums(&table, k, lo, hi, width, iso).await? {
+                src.insert(start, (n, sum));
+            }
+            let mut stream = delta::query_stream(&silver_table, &format!("SELECT CAST({} AS BIGINT) FROM t", ident(k))).await?;
+            while let Some(b) = stream.next().await {
+                let b = b.map_err(|e| StepError::Temporary(format!("reading silver: {e}")))?;
+                let a = i64_col(&b, 0)?;
+                for i in 0..b.num_rows() {
+                    if a.is_null(i) {
+                        continue;
+                    }
+                    let v = a.value(i);
+                    let start = (lo as i128 + ((v as i128 - lo as i128) / width as i128) * width as i128) as i64;
+                    let e = tgt.entry(start).or_default();
+                    e.0 += 1;
+                    e.1 += v as i128;
+                }
+            }
+        }
+        rows_source = src.values().map(|v| v.0).sum();
+        rows_target = tgt.values().map(|v| v.0).sum();
+        let (chosen, mismatched) = buckets_to_compare(&src, &tgt, opts.sample_fraction, run);
+        n_buckets = src.keys().chain(tgt.keys()).collect::<HashSet<_>>().len();
+        n_mismatched = mismatched;
+        let first = src.keys().chain(tgt.keys()).min().copied();
+        let last = src.keys().chain(tgt.keys()).max().copied();
+        for b in chosen {
+            // The first bucket also takes NULL keys and keys below the extent; the last, keys above it.
+            let lo_b = if Some(b) == first { None } else { Some(vec![SqlValue::Int(b)]) };
+            let hi_b = if Some(b) == last { None } else { b.checked_add(width).map(|h| vec![SqlValue::Int(h)]) };
+            ranges.push((Some(b), KeyRange { lo: lo_b, hi: hi_b }));
+        }
+        tier1 = "buckets";
+    } else {
+        ranges.push((None, KeyRange::all()));
+        tier1 = "count";
+        n_buckets = 1;
+        n_mismatched = 0;
+    }
+
+    // Tier 2.
+    let mut compared: Vec<(Option<i64>, Side, Side)> = Vec::new();
+    let mut rows_compared = 0u64;
+    for (bucket, range) in &ranges {
+        let read = SnapshotRead {
+            table: table.clone(),
+            columns: columns.clone(),
+            keys: key_names.clone(),
+            range: range.clone(),
+            isolation: iso,
+            batch_rows: ctx.workflow.snapshot.batch_rows,
+        };
+        let mut source_side = Side::new();
+        let mut stream = ctx.source.snapshot_read(&read).await?;
+        while let Some(b) = stream.next().await {
+            add_rows(&mut source_side, &b?, &columns, &key_idx, true);
+        }
+        let cols: Vec<String> = columns.iter().map(|c| ident(&c.name)).collect();
+        let filter = if integer { range_sql(&keys[0].name, range) } else { "TRUE".into() };
+        let mut target_side = Side::new();
+        let mut stream = delta::query_stream(&silver_table, &format!("SELECT {} FROM t WHERE {filter}", cols.join(", "))).await?;
+        while let Some(b) = stream.next().await {
+            let b = delta::plain_types(&b.map_err(|e| StepError::Temporary(format!("reading silver: {e}")))?)?;
+            add_rows(&mut target_side, &b, &columns, &key_idx, false);
+        }
+        rows_compared += source_side.len().max(target_side.len()) as u64;
+        if !integer {
+            rows_source = source_side.len() as u64;
+            rows_target = target_side.len() as u64;
+        }
+        compared.push((*bucket, source_side, target_side));
+    }
+    // After the source reads: what the stream has not read yet, and what silver has not applied.
+    let source_max = ctx.source.max_lsn().await?;
+    let st = state::load(ctx).await?;
+    let mut in_flight = bronze_changed_keys(&ctx.bronze, &keys, applied).await?;
+    in_flight.extend(change_table_keys(ctx, &keys, st.position(), source_max).await?);
+    let mut diffs: Vec<Difference> = Vec::new();
+    for (bucket, s, t) in &compared {
+        diffs.extend(classify(s, t, &in_flight, *bucket));
+    }
+    let facts = state::facts_rows(&ctx.facts, &app).await?;
+    let (chunk_snapshot, chunks_checked, chunk_diffs) = chunk_checks(ctx, &facts).await?;
+    diffs.extend(chunk_diffs);
+
+    let mut counts: BTreeMap<String, u64> = CLASSES.iter().map(|c| (c.to_string(), 0)).collect();
+    for d in &diffs {
+        *counts.entry(d.class.to_string()).or_default() += 1;
+    }
+    let differences = diffs.iter().filter(|d| d.class != IN_FLIGHT).count() as u64;
+    let clean = differences == 0;
+    let now = Some(Utc::now());
+    let header = ReportRow {
+        app_id: app.clone(),
+        run,
+        applied_lsn: applied.map(|l| l.to_hex()),
+        source_max_lsn: source_max.map(|l| l.to_hex()),
+        checked_at: now,
+        ..Default::default()
+    };
+    let mut rows = vec![ReportRow {
+        class: "SUMMARY".into(),
+        detail: Some(json!({"counts": counts, "clean": clean, "tier1": tier1, "buckets": n_buckets, "buckets_mismatched": n_mismatched,
+                            "buckets_compared": ranges.len(), "rows_source": rows_source, "rows_target": rows_target, "rows_compared": rows_compared,
+                            "chunk_snapshot": chunk_snapshot, "chunks_checked": chunks_checked})),
+        ..header.clone()
+    }];
+    let samples: Vec<Value> = diffs
+        .iter()
+        .take(20)
+        .map(|d| json!({"class": d.class, "key": d.key.as_ref().map(|k| key_json(&keys, k)), "chunk": d.chunk, "detail": d.detail}))
+        .collect();
+    for d in diffs.iter().take(opts.max_report_rows) {
+        rows.push(ReportRow {
+            class: d.class.to_string(),
+            key: d.key.as_ref().map(|k| key_json(&keys, k)),
+            bucket: d.bucket,
+            chunk: d.chunk,
+            source_hash: d.source_hash.clone(),
+            target_hash: d.target_hash.clone(),
+            detail: d.detail.clone(),
+            ..header.clone()
+        });
+    }
+    let meta = json!({"reconcile": {"run": run, "clean": clean, "counts": counts, "applied_lsn": applied}, "app_id": app});
+    delta::append_batches(&mut report_table, vec![report::to_batch(&rows)], report::schema(), &Txn::new(format!("{app}#reconcile"), run), meta).await?;
+    failpoint!("reconcile.after_report");
+    tracing::info!(run, clean, differences, ?counts, "reconciled silver with the source");
+    Ok(ReconcileResult {
+        step: "reconcile",
+        run,
+        clean,
+        differences,
+        counts,
+        tier1,
+        buckets: n_buckets,
+        buckets_mismatched: n_mismatched,
+        buckets_compared: ranges.len(),
+        rows_source,
+        rows_target,
+        rows_compared,
+        applied_lsn: applied,
+        source_max_lsn: source_max,
+        chunk_snapshot,
+        chunks_checked,
+        samples,
+        report: report_loc,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::chunked::PlannedChunk;
+
+    fn side(rows: &[(Option<i64>, &str)]) -> Side {
+        rows.iter()
+            .map(|(k, v)| {
+                let key = vec![k.map(SqlValue::Int).unwrap_or(SqlValue::Null)];
+                (key_text(&key), (key, row_hash(&[SqlValue::Str(v.to_string())])))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn keys_are_classified_and_in_flight_wins() {
+        let s = side(&[(Some(1), "a"), (Some(2), "b"), (Some(3), "c"), (None, "n")]);
+        let t = side(&[(Some(1), "a"), (Some(2), "B"), (Some(4), "d"), (None, "m")]);
+        let none = HashSet::new();
+        let d = classify(&s, &t, &none, Some(0));
+        let classes: Vec<(&str, String)> = d.iter().map(|d| (d.class, key_text(d.key.as_ref().unwrap()))).collect();
+        assert!(classes.contains(&(RECORD_DIFF, "2".into())), "{classes:?}");
+        assert!(classes.contains(&(MISSING_TARGET, "3".into())), "{classes:?}");
+        assert!(classes.contains(&(MISSING_SOURCE, "4".into())), "{classes:?}");
+        assert!(classes.contains(&(RECORD_DIFF, "null".into())), "a NULL key compares null-safely: {classes:?}");
+        // Keys with a change silver has not applied are IN_FLIGHT, a NULL key too; the rest stay.
+        let flight: HashSet<String> = ["3".to_string(), "null".to_string()].into();
+        let d = classify(&s, &t, &flight, Some(0));
+        let classes: Vec<(&str, String)> = d.iter().map(|d| (d.class, key_text(d.key.as_ref().unwrap()))).collect();
+        assert!(classes.contains(&(IN_FLIGHT, "3".into())) && classes.contains(&(IN_FLIGHT, "null".into())), "{classes:?}");
+        assert!(classes.contains(&(RECORD_DIFF, "2".into())), "a real difference beside them stays: {classes:?}");
+        assert_eq!(key_json(&[ColumnDesc::new("id", crate::types::SqlType::Int, true)], &[SqlValue::Null]), json!({"id": null}));
+    }
+
+    #[test]
+    fn the_same_row_hashes_the_same_on_both_sides() {
+        let ty = crate::types::SqlType::DateTime2 { scale: 7 };
+        let t = chrono::NaiveDate::from_ymd_opt(2026, 1, 1).unwrap().and_hms_nano_opt(1, 2, 3, 123_456_789).unwrap();
+        let src = as_stored(&SqlValue::DateTime(t), &ty);
+        let stored = SqlValue::DateTime(crate::types::truncate_to_micros(t));
+        assert_eq!(row_hash(&[SqlValue::Int(1), src]), row_hash(&[SqlValue::Int(1), stored]));
+        assert_ne!(row_hash(&[SqlValue::Null]), row_hash(&[SqlValue::Str("null".into())]));
+    }
+
+    #[test]
+    fn mismatched_buckets_and_a_sample_are_compared() {
+        let src: BTreeMap<i64, (u64, i128)> = (0..10).map(|b| (b * 10, (10, 45 + b as i128 * 100))).collect();
+        let mut tgt = src.clone();
+        tgt.insert(30, (9, 40));
+        let (chosen, mismatched) = buckets_to_compare(&src, &tgt, 0.2, 0);
+        assert_eq!(mismatched, 1);
+        assert!(chosen.contains(&30));
+        assert_eq!(chosen.len(), 1 + 2, "{chosen:?}");
+        let (chosen, _) = buckets_to_compare(&src, &src, 0.0, 0);
+        assert!(chosen.is_empty());
+    }
+
+    #[test]
+    fn chunk_bounds_changed_after_the_plan_fail_the_tiling() {
+        let s = Lsn::from_u128(100);
+        let b = |v: i64| Some(vec![SqlValue::Int(v)]);
+        let plan = PlanPayload {
+            kind: "integer".into(),
+            keys: vec!["id".into()],
+            chunk_rows: 10,
+            chunk_count: 3,
+            chunks: vec![
+                PlannedChunk { chunk: 0, lo: None, hi: b(10), rows: None },
+                PlannedChunk { chunk: 1, lo: b(10), hi: b(20), rows: None },
+                PlannedChunk { chunk: 2, lo: b(20), hi: None, rows: None },
+            ],
+            open_end: false,
+            isolation: Default::default(),
+        };
+        let stamp = Lsn::from_u128(101);
+        let chunk = |c: i64, lo, hi, rows| ChunkPayload { chunk: c, wave: 0, lo, hi, last: c == 2, rows, stamp, max_lsn: stamp, read_ms: None, rounds: 1, bronze_version: None };
+        let good = vec![chunk(0, None, b(10), 5), chunk(1, b(10), b(20), 4), chunk(2, b(20), None, 0)];
+        let bronze: BTreeMap<i64, (i64, String, String)> = [(0, (5, stamp.to_hex(), stamp.to_hex())), (1, (4, stamp.to_hex(), stamp.to_hex()))].into();
+        assert!(check_chunks(s, &plan, &good, &bronze).is_empty());
+        let mut moved = good.clone();
+        moved[1].lo = b(12);
+        let d = check_chunks(s, &plan, &moved, &bronze);
+        assert!(d.iter().all(|d| d.class == CHUNK_TILING) && d.len() == 2, "{d:?}");
+        let mut fewer = bronze.clone();
+        fewer.insert(1, (3, stamp.to_hex(), Lsn::from_u128(102).to_hex()));
+        let d = check_chunks(s, &plan, &good, &fewer);
+        let classes: Vec<&str> = d.iter().map(|d| d.class).collect();
+        assert_eq!(classes, vec![CHUNK_ROWS, CHUNK_STAMP]);
+        let mut early = good.clone();
+        early[0].stamp = Lsn::from_u128(99);
+        assert!(check_chunks(s, &plan, &early, &bronze).iter().any(|d| d.class == CHUNK_STAMP));
+    }
+}
