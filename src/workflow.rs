@@ -107,9 +107,6 @@ pub struct StreamOptions {
     /// the previous automatic re-snapshot (or of a failed one) stops with
     /// exit 3 instead. Set it above the CDC retention; 0 re-snapshots now.
     pub resnapshot_interval_days: f64,
-    /// With `snapshot.mode = "chunked"`: after the stream moves to a newer
-    /// capture instance, open a chunked snapshot at that instance's start LSN.
-    pub snapshot_on_switch: bool,
 }
 
 impl Default for StreamOptions {
@@ -121,7 +118,6 @@ impl Default for StreamOptions {
             start: "earliest".into(),
             on_data_loss: OnDataLoss::Fail,
             resnapshot_interval_days: 7.0,
-            snapshot_on_switch: false,
         }
     }
 }
@@ -339,9 +335,6 @@ impl Workflow {
                 self.stream.resnapshot_interval_days
             ));
         }
-        if self.stream.snapshot_on_switch && self.snapshot.mode != SnapshotMode::Chunked {
-            return bad("stream.snapshot_on_switch needs snapshot.mode = \"chunked\" (the snapshot it opens is read by backfill)".into());
-        }
         if self.snapshot.chunk_rows == 0 {
             return bad("snapshot.chunk_rows must be at least 1".into());
         }
@@ -439,6 +432,22 @@ mode = "full"
         let e = Workflow::parse(&text, Path::new("wf.toml")).unwrap_err();
         assert!(matches!(e, StepError::Config(_)));
         assert!(e.to_string().contains("bootstarp"), "{e}");
+    }
+
+    #[test]
+    fn data_loss_options_parse_and_are_checked() {
+        let wf = Workflow::parse(GOOD, Path::new("wf.toml")).unwrap();
+        assert_eq!(wf.stream.on_data_loss, OnDataLoss::Fail);
+        assert_eq!(wf.stream.resnapshot_interval_days, 7.0);
+        let text = format!("{GOOD}[stream]\non_data_loss = \"resnapshot\"\nresnapshot_interval_days = 10\n");
+        let wf = Workflow::parse(&text, Path::new("wf.toml")).unwrap();
+        assert_eq!((wf.stream.on_data_loss, wf.stream.resnapshot_interval_days), (OnDataLoss::Resnapshot, 10.0));
+        let skip = format!("{GOOD}[stream]\non_data_loss = \"skip\"\n");
+        assert_eq!(Workflow::parse(&skip, Path::new("wf.toml")).unwrap().stream.on_data_loss, OnDataLoss::Skip);
+        for bad in ["on_data_loss = \"ignore\"", "resnapshot_interval_days = -1"] {
+            let e = Workflow::parse(&format!("{GOOD}[stream]\n{bad}\n"), Path::new("wf.toml")).unwrap_err();
+            assert!(matches!(e, StepError::Config(_)), "{bad}: {e}");
+        }
     }
 
     #[test]
