@@ -238,7 +238,9 @@ pub async fn run(cli: Cli) -> Result<(Value, i32), StepError> {
             Ok((serde_json::to_value(&r).unwrap_or(Value::Null), code))
         }
         Command::Status => {
-            let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;
+            // Status writes nothing: a stream that has not started reads as empty.
+            let wf = crate::workflow::Workflow::load(&workflow_path(&cli.workflow)?)?;
+            let mut ctx = crate::engine::Context::open_read_only(wf).await?;
             Ok((crate::engine::status::run(&mut ctx).await?, EXIT_OK))
         }
         Command::Seed { copy, as_of, reseed, allow_missing_columns } => {

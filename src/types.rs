@@ -188,6 +188,20 @@ impl SqlType {
         matches!(self, SqlType::TinyInt | SqlType::SmallInt | SqlType::Int | SqlType::BigInt)
     }
 
+    /// Why a value of this type does not come back equal from a Delta
+    /// column, if it does not: `datetime2(7)` and `datetimeoffset(7)` count
+    /// 100 ns ticks, and Delta's timestamps hold microseconds, so two values
+    /// 100 ns apart become one. (`time(7)` is kept as exact text.)
+    pub fn inexact_in_delta(&self) -> Option<&'static str> {
+        match self {
+            SqlType::DateTime2 { scale: 7 } => Some("datetime2(7) counts 100 ns ticks and Delta timestamps hold microseconds"),
+            SqlType::DateTimeOffset { scale: 7 } => {
+                Some("datetimeoffset(7) counts 100 ns ticks and Delta timestamps hold microseconds")
+            }
+            _ => None,
+        }
+    }
+
     /// Why SQL Server cannot order or bound a chunk on this type, if it cannot.
     pub fn unorderable_reason(&self) -> Option<&'static str> {
         match self {

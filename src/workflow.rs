@@ -277,8 +277,8 @@ impl Workflow {
     fn validate(&self) -> StepResult<()> {
         let file = self.path.display();
         let bad = |what: String| Err(StepError::Config(format!("workflow file {file}: {what}")));
-        if self.app_id.trim().is_empty() || self.app_id.contains('#') || self.app_id.chars().any(char::is_whitespace) {
-            return bad(format!("app_id '{}' must be non-empty, without spaces or '#' (it prefixes Delta txn ids)", self.app_id));
+        if let Err(why) = check_app_id(&self.app_id) {
+            return bad(why);
         }
         if !(self.source.url.starts_with("sim://") || self.source.url.starts_with("mssql://") || self.source.url.contains('=')) {
             return bad(format!(
@@ -289,22 +289,8 @@ impl Workflow {
         if self.table.name.trim().is_empty() {
             return bad("table.name is empty".into());
         }
-        if self.target.bronze == self.target.facts {
-            return bad("target.bronze and target.facts must be different tables".into());
-        }
-        if let Some(silver) = &self.target.silver {
-            let control = crate::delta::silver::control_location_for(silver);
-            let plans = crate::delta::plans::location_for(&self.target.bronze);
-            for (name, other) in [("target.bronze", &self.target.bronze), ("target.facts", &self.target.facts), ("the plans table", &plans)] {
-                if silver == other || &control == other {
-                    return bad(format!("target.silver '{silver}' (or its control table) is the same table as {name}: name another folder"));
-                }
-            }
-        }
-        if let Some(report) = &self.target.reconcile {
-            if [&self.target.bronze, &self.target.facts].contains(&report) || self.target.silver.as_ref() == Some(report) {
-                return bad(format!("target.reconcile '{report}' is the same table as another target: name another folder"));
-            }
+        if let Err(why) = self.check_targets_apart() {
+            return bad(why);
         }
         if self.reconcile.buckets == 0 || self.reconcile.buckets > 1_000_000 {
             return bad(format!("reconcile.buckets is {}: use 1 to 1000000", self.reconcile.buckets));
@@ -354,6 +340,58 @@ impl Workflow {
         Ok(())
     }
 
+    /// Every table this workflow writes, named as in the file (the plans,
+    /// control and report tables are siblings derived from bronze and silver).
+    pub fn target_tables(&self) -> Vec<(String, String)> {
+        let mut out = vec![
+            ("target.bronze".to_string(), self.target.bronze.clone()),
+            ("target.facts".to_string(), self.target.facts.clone()),
+            ("the plans table (next to target.bronze)".to_string(), crate::delta::plans::location_for(&self.target.bronze)),
+        ];
+        if let Some(silver) = &self.target.silver {
+            out.push(("target.silver".into(), silver.clone()));
+            out.push(("silver's control table (next to target.silver)".into(), crate::delta::silver::control_location_for(silver)));
+        }
+        if let Ok(report) = self.reconcile_location() {
+            let name = if self.target.reconcile.is_some() { "target.reconcile" } else { "the reconcile report (next to target.silver)" };
+            out.push((name.into(), report));
+        }
+        out
+    }
+
+    /// No two tables of this workflow may be the same table, however spelt
+    /// (`lake/x`, `lake/x/`, `file:///…/lake/x`), and none may sit inside
+    /// another's folder: Delta's VACUUM of the outer table would delete the
+    /// inner one's files as unreferenced.
+    fn check_targets_apart(&self) -> Result<(), String> {
+        let tables = self.target_tables();
+        let keys: Vec<LocationKey> = tables.iter().map(|(_, loc)| LocationKey::of(loc)).collect::<Result<_, _>>()?;
+        for i in 0..tables.len() {
+            for j in i + 1..tables.len() {
+                let ((a_name, a), (b_name, b)) = (&tables[i], &tables[j]);
+                match keys[i].relation(&keys[j]) {
+                    Relation::Apart => {}
+                    Relation::Same => {
+                        return Err(format!("{a_name} '{a}' and {b_name} '{b}' are the same table: give each its own folder"));
+                    }
+                    Relation::Inside => {
+                        return Err(format!(
+                            "{a_name} '{a}' lies inside the folder of {b_name} '{b}' (a VACUUM of the outer table would delete \
+                             its files): give each table a folder of its own, side by side"
+                        ));
+                    }
+                    Relation::Contains => {
+                        return Err(format!(
+                            "{b_name} '{b}' lies inside the folder of {a_name} '{a}' (a VACUUM of the outer table would delete \
+                             its files): give each table a folder of its own, side by side"
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The silver table, or a `Config` error naming the setting a step needs.
     pub fn silver_location(&self, step: &str) -> StepResult<String> {
         self.target.silver.clone().ok_or_else(|| {
@@ -391,6 +429,107 @@ impl Workflow {
             out.insert(k.clone(), value);
         }
         Ok(out)
+    }
+}
+
+/// Checks an app id. It prefixes every Delta txn id of the stream and names
+/// its facts rows, and generation n > 0 runs under `<app_id>.g<n>`
+/// ([`crate::engine::generation_app_id`]). So an app id must not itself end in
+/// `.g<digits>`: `orders.g1` would share txn ids and batch ids with generation
+/// 1 of a stream `orders` on the same tables, and each would take the other's
+/// commits for its own. `#` separates the txn suffixes (`#facts`, `#snap.…`).
+/// Letters, digits, `_`, `-` and `.` are enough for any naming scheme and
+/// keep ids safe in file names, metrics labels and log searches.
+pub fn check_app_id(app_id: &str) -> Result<(), String> {
+    if app_id.is_empty() {
+        return Err("app_id is empty: name the stream, e.g. app_id = \"orders\"".into());
+    }
+    if let Some(c) = app_id.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))) {
+        return Err(format!(
+            "app_id '{app_id}' holds '{c}': use letters, digits, '_', '-' and '.' only (the app id prefixes Delta txn ids)"
+        ));
+    }
+    if let Some((_, tail)) = app_id.rsplit_once(".g") {
+        if !tail.is_empty() && tail.chars().all(|c| c.is_ascii_digit()) {
+            return Err(format!(
+                "app_id '{app_id}' ends in '.g{tail}', the form of a later generation's id of the stream '{}': \
+                 choose an app id that does not end in '.g' and digits (e.g. '{}_g{tail}')",
+                &app_id[..app_id.len() - tail.len() - 2],
+                &app_id[..app_id.len() - tail.len() - 2],
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A table location reduced to what identifies it: a local path (from a
+/// path or a `file://` URI) made absolute and lexically normal, or an object
+/// store URL with its scheme and bucket lower-cased and no trailing slash.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocationKey {
+    /// `file`, or the object store's scheme (`s3a` counts as `s3`).
+    scheme: String,
+    /// The bucket or account (empty for local paths).
+    authority: String,
+    /// Path segments, without empty ones, `.` or `..`.
+    segments: Vec<String>,
+}
+
+/// How two locations relate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Relation {
+    Apart,
+    Same,
+    /// The first lies inside the second's folder.
+    Inside,
+    /// The second lies inside the first's folder.
+    Contains,
+}
+
+impl LocationKey {
+    pub fn of(location: &str) -> Result<LocationKey, String> {
+        let (scheme, authority, path) = if location.contains("://") {
+            let url = url::Url::parse(location).map_err(|e| format!("'{location}' is not a valid table URI: {e}"))?;
+            if url.scheme() == "file" {
+                let path = url.to_file_path().map_err(|_| format!("'{location}' is not a local file URI"))?;
+                ("file".to_string(), String::new(), path.to_string_lossy().into_owned())
+            } else {
+                let scheme = match url.scheme() {
+                    "s3a" => "s3".to_string(),
+                    s => s.to_ascii_lowercase(),
+                };
+                let authority = format!("{}{}", url.username(), url.host_str().unwrap_or("")).to_ascii_lowercase();
+                (scheme, authority, url.path().to_string())
+            }
+        } else {
+            ("file".to_string(), String::new(), absolute(Path::new(location)).to_string_lossy().into_owned())
+        };
+        let mut segments: Vec<String> = Vec::new();
+        for seg in path.split('/') {
+            match seg {
+                "" | "." => {}
+                ".." => {
+                    segments.pop();
+                }
+                s => segments.push(s.to_string()),
+            }
+        }
+        Ok(LocationKey { scheme, authority, segments })
+    }
+
+    pub fn relation(&self, other: &LocationKey) -> Relation {
+        if self.scheme != other.scheme || self.authority != other.authority {
+            return Relation::Apart;
+        }
+        let n = self.segments.len().min(other.segments.len());
+        if self.segments[..n] != other.segments[..n] {
+            return Relation::Apart;
+        }
+        match self.segments.len().cmp(&other.segments.len()) {
+            std::cmp::Ordering::Equal => Relation::Same,
+            std::cmp::Ordering::Greater => Relation::Inside,
+            std::cmp::Ordering::Less => Relation::Contains,
+        }
     }
 }
 
@@ -448,6 +587,47 @@ mode = "full"
             let e = Workflow::parse(&format!("{GOOD}[stream]\n{bad}\n"), Path::new("wf.toml")).unwrap_err();
             assert!(matches!(e, StepError::Config(_)), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn app_ids_that_collide_with_generation_ids_are_refused() {
+        for ok in ["orders", "orders.v2", "sales.orders", "o-1_x", "orders.g", "orders.gx1", "g1"] {
+            assert!(check_app_id(ok).is_ok(), "{ok}");
+        }
+        for bad in ["orders.g1", "x.g12", "a.b.g0", "", "a b", "a#b", "a/b", "ü"] {
+            assert!(check_app_id(bad).is_err(), "{bad}");
+        }
+        let e = Workflow::parse(&GOOD.replace("app_id = \"orders\"", "app_id = \"orders.g1\""), Path::new("wf.toml")).unwrap_err();
+        assert!(e.to_string().contains("generation"), "{e}");
+    }
+
+    #[test]
+    fn the_same_table_spelt_differently_or_nested_is_refused() {
+        let base = "/tmp/wf";
+        for (bronze, facts) in [
+            ("lake/x", "lake/x/"),
+            ("lake/x", "file:///tmp/wf/lake/x"),
+            ("lake/x", "./lake/y/../x"),
+            ("lake/x", "lake/x/facts"),
+            ("lake/x/facts", "lake/x"),
+        ] {
+            let text = GOOD.replace("bronze = \"bronze\"", &format!("bronze = \"{bronze}\"")).replace("facts = \"facts\"", &format!("facts = \"{facts}\""));
+            let e = Workflow::parse(&text, &Path::new(base).join("wf.toml")).unwrap_err();
+            assert!(matches!(e, StepError::Config(_)), "{bronze} / {facts}: {e}");
+        }
+        // Silver inside bronze, or the report inside silver.
+        let nested = GOOD.replace("facts = \"facts\"", "facts = \"facts\"\nsilver = \"bronze/silver\"");
+        assert!(Workflow::parse(&nested, Path::new("/tmp/wf/wf.toml")).unwrap_err().to_string().contains("inside"));
+        let report = GOOD.replace("facts = \"facts\"", "facts = \"facts\"\nsilver = \"silver\"\nreconcile = \"silver/report\"");
+        assert!(Workflow::parse(&report, Path::new("/tmp/wf/wf.toml")).is_err());
+        // Siblings that share a prefix of their names are fine.
+        let ok = GOOD.replace("facts = \"facts\"", "facts = \"bronze2\"\nsilver = \"bronze_silver\"");
+        Workflow::parse(&ok, Path::new("/tmp/wf/wf.toml")).unwrap();
+        // Object stores: bucket case and trailing slashes do not make another table.
+        let a = LocationKey::of("s3://Bucket/lake/x/").unwrap();
+        assert_eq!(a.relation(&LocationKey::of("s3a://bucket/lake/x").unwrap()), Relation::Same);
+        assert_eq!(a.relation(&LocationKey::of("s3://bucket/lake/x/y").unwrap()), Relation::Contains);
+        assert_eq!(a.relation(&LocationKey::of("s3://other/lake/x").unwrap()), Relation::Apart);
     }
 
     #[test]

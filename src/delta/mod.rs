@@ -36,6 +36,9 @@ use crate::error::{StepError, StepResult};
 
 /// Table property naming the kind of a table this program created.
 pub const PROP_KIND: &str = "mssql_cdc.kind";
+/// Table property of a bronze table: the source table it holds (`schema.name`).
+/// A workflow pointed at a bronze table of another source table is refused.
+pub const PROP_SOURCE_TABLE: &str = "mssql_cdc.source_table";
 /// Table property holding the schema version (the last migration applied).
 pub const PROP_SCHEMA_VERSION: &str = "mssql_cdc.schemaVersion";
 
@@ -246,6 +249,31 @@ pub fn commented_schema(kind: TableKind, schema: &SchemaRef) -> StepResult<Struc
     StructType::try_new(fields).map_err(|e| StepError::Internal(format!("schema: {e}")))
 }
 
+/// Like [`open_existing`], but never creates anything, not even an empty
+/// local folder: for steps that only read (`status`).
+pub async fn peek_existing(location: &str, storage: &HashMap<String, String>) -> StepResult<Option<DeltaTable>> {
+    if !location.contains("://") && !std::path::Path::new(location).exists() {
+        return Ok(None);
+    }
+    if let Some(path) = location.strip_prefix("file://") {
+        if !std::path::Path::new(path).exists() {
+            return Ok(None);
+        }
+    }
+    open_existing(location, storage).await
+}
+
+/// An empty table of this kind held in memory only: what a read-only step
+/// sees where a target does not exist yet, without creating it.
+pub async fn empty_in_memory(kind: TableKind, schema: &SchemaRef) -> StepResult<DeltaTable> {
+    let kernel = commented_schema(kind, schema)?;
+    DeltaTable::new_in_memory()
+        .create()
+        .with_columns(kernel.fields().cloned())
+        .await
+        .map_err(StepError::delta("memory:///"))
+}
+
 /// Opens the table of this kind at `location`, creating it (typed, commented,
 /// at the current schema version) when the location is empty.
 pub async fn open_or_create(
@@ -254,6 +282,19 @@ pub async fn open_or_create(
     kind: TableKind,
     schema: &SchemaRef,
     description: &str,
+) -> StepResult<DeltaTable> {
+    open_or_create_with(location, storage, kind, schema, description, &[]).await
+}
+
+/// [`open_or_create`] with more table properties set at creation (e.g. the
+/// source table a bronze table belongs to).
+pub async fn open_or_create_with(
+    location: &str,
+    storage: &HashMap<String, String>,
+    kind: TableKind,
+    schema: &SchemaRef,
+    description: &str,
+    extra_properties: &[(&str, String)],
 ) -> StepResult<DeltaTable> {
     if let Some(mut table) = open_existing(location, storage).await? {
         check_kind_and_migrate(&mut table, location, kind, schema).await?;
@@ -270,6 +311,10 @@ pub async fn open_or_create(
         (PROP_KIND.to_string(), Some(kind.name().to_string())),
         (PROP_SCHEMA_VERSION.to_string(), Some(kind.current_version().to_string())),
     ]);
+    let mut props = props;
+    for (k, v) in extra_properties {
+        props.insert(k.to_string(), Some(v.clone()));
+    }
     let created = table
         .create()
         .with_columns(kernel.fields().cloned())

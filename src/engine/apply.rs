@@ -239,14 +239,26 @@ pub fn silver_keys(ctx: &Context) -> StepResult<Vec<ColumnDesc>> {
             ctx.workflow.path.display()
         )));
     }
-    names
+    let keys: Vec<ColumnDesc> = names
         .iter()
         .map(|k| {
             ctx.instance.column(k).cloned().ok_or_else(|| {
                 StepError::Config(format!("key column '{k}' is not captured by capture instance '{}'", ctx.instance.name))
             })
         })
-        .collect()
+        .collect::<StepResult<_>>()?;
+    // Silver tells rows apart by their key as Delta holds it: a key that
+    // Delta rounds would merge distinct source rows into one, silently.
+    if let Some((k, why)) = keys.iter().find_map(|k| k.sql_type.inexact_in_delta().map(|why| (k, why))) {
+        return Err(StepError::Config(format!(
+            "silver key column '{}' is {}: {why}, so two keys 100 ns apart would become one silver row. \
+             Name key columns that Delta holds exactly in snapshot.keys of {} (bronze keeps every change row either way)",
+            k.name,
+            k.sql_type.sql_name(),
+            ctx.workflow.path.display()
+        )));
+    }
+    Ok(keys)
 }
 
 /// Opens (or creates) silver and its control table. Both are looked at

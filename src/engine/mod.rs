@@ -10,6 +10,7 @@
 
 pub mod apply;
 pub mod chunked;
+pub mod identity;
 pub mod plan;
 pub mod rebuild;
 pub mod reconcile;
@@ -81,6 +82,15 @@ pub fn generation_app_id(app_id: &str, generation: i32) -> String {
     }
 }
 
+/// Whether a step may create its targets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// The steps that write: missing targets are created.
+    ReadWrite,
+    /// `status`: nothing is created; a missing target reads as empty.
+    ReadOnly,
+}
+
 /// Everything a step works with, opened and validated.
 pub struct Context {
     pub workflow: Workflow,
@@ -97,8 +107,21 @@ impl Context {
     /// Opens the source and the targets and checks the configuration against
     /// them. Every problem is found here, before anything is written: a
     /// missing table, a table without CDC, an unknown capture instance, a
-    /// target folder that holds something else.
+    /// target folder that holds something else, a bronze table of another
+    /// source table, facts rows of this app id written for another stream.
+    /// Missing targets are created.
     pub async fn open(workflow: Workflow) -> StepResult<Context> {
+        Context::open_with(workflow, Access::ReadWrite).await
+    }
+
+    /// Like [`Context::open`], with the same checks, but writes nothing: a
+    /// target that does not exist yet is seen as an empty table held in
+    /// memory (for `status`, which must never create tables).
+    pub async fn open_read_only(workflow: Workflow) -> StepResult<Context> {
+        Context::open_with(workflow, Access::ReadOnly).await
+    }
+
+    async fn open_with(workflow: Workflow, access: Access) -> StepResult<Context> {
         let storage = workflow.storage_options()?;
         let secrets = read_secrets(&workflow)?;
         let source = crate::source::open(&workflow.source.url, secrets).await?;
@@ -134,32 +157,62 @@ impl Context {
         }
         let zone = source.server_time_zone().await?;
         // Look at both targets before creating either, so a bad one writes nothing.
-        let bronze_existing = delta::open_existing(&workflow.target.bronze, &storage).await?;
-        let facts_existing = delta::open_existing(&workflow.target.facts, &storage).await?;
+        let (bronze_existing, facts_existing) = match access {
+            Access::ReadWrite => (
+                delta::open_existing(&workflow.target.bronze, &storage).await?,
+                delta::open_existing(&workflow.target.facts, &storage).await?,
+            ),
+            Access::ReadOnly => (
+                delta::peek_existing(&workflow.target.bronze, &storage).await?,
+                delta::peek_existing(&workflow.target.facts, &storage).await?,
+            ),
+        };
         let bronze_schema = delta::bronze::schema(&instance.columns);
         let facts_schema = delta::facts::schema();
-        if let Some(mut b) = bronze_existing {
-            delta::check_kind_and_migrate(&mut b, &workflow.target.bronze, TableKind::Bronze, &bronze_schema).await?;
+        let mut bronze_existing = bronze_existing;
+        let mut facts_existing = facts_existing;
+        if let Some(b) = bronze_existing.as_mut() {
+            delta::check_kind_and_migrate(b, &workflow.target.bronze, TableKind::Bronze, &bronze_schema).await?;
+            identity::check_bronze_belongs(b, &workflow, &table_name, &instance)?;
         }
-        if let Some(mut f) = facts_existing {
-            delta::check_kind_and_migrate(&mut f, &workflow.target.facts, TableKind::Facts, &facts_schema).await?;
+        if let Some(f) = facts_existing.as_mut() {
+            delta::check_kind_and_migrate(f, &workflow.target.facts, TableKind::Facts, &facts_schema).await?;
+            identity::check_facts_belong(f, &workflow).await?;
         }
-        let bronze = delta::open_or_create(
-            &workflow.target.bronze,
-            &storage,
-            TableKind::Bronze,
-            &bronze_schema,
-            &format!("mssql-cdc bronze of {table_name}: CDC change rows and snapshot rows"),
-        )
-        .await?;
-        let facts = delta::open_or_create(
-            &workflow.target.facts,
-            &storage,
-            TableKind::Facts,
-            &facts_schema,
-            "mssql-cdc facts: a row per micro-batch and per event",
-        )
-        .await?;
+        let (bronze, facts) = match access {
+            Access::ReadOnly => (
+                match bronze_existing {
+                    Some(b) => b,
+                    None => delta::empty_in_memory(TableKind::Bronze, &bronze_schema).await?,
+                },
+                match facts_existing {
+                    Some(f) => f,
+                    None => delta::empty_in_memory(TableKind::Facts, &facts_schema).await?,
+                },
+            ),
+            Access::ReadWrite => {
+                let bronze = delta::open_or_create_with(
+                    &workflow.target.bronze,
+                    &storage,
+                    TableKind::Bronze,
+                    &bronze_schema,
+                    &format!("mssql-cdc bronze of {table_name}: CDC change rows and snapshot rows"),
+                    &[(delta::PROP_SOURCE_TABLE, table_name.to_string())],
+                )
+                .await?;
+                // A bronze table created by a concurrent first call is checked too.
+                identity::check_bronze_belongs(&bronze, &workflow, &table_name, &instance)?;
+                let facts = delta::open_or_create(
+                    &workflow.target.facts,
+                    &storage,
+                    TableKind::Facts,
+                    &facts_schema,
+                    "mssql-cdc facts: a row per micro-batch and per event",
+                )
+                .await?;
+                (bronze, facts)
+            }
+        };
         Ok(Context { workflow, source, zone, table, instance, bronze, facts, storage })
     }
 

@@ -1,0 +1,212 @@
+//! A stream's identity and its targets, through the command line: app ids
+//! that could be taken for another stream's generation, targets that are one
+//! table spelt twice or nested, a bronze or facts table that belongs to
+//! another stream, `status` writing nothing, and keys Delta would round.
+//! Every refusal is exit 2 before anything is written, checked on disk.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use chrono::{TimeZone, Utc};
+use common::Scenario;
+use mssql_cdc::sim::TableSpec;
+use mssql_cdc::source::TableName;
+use mssql_cdc::types::{ColumnDesc, SqlType, SqlValue};
+
+fn run(wf: &Path, step: &str) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mssql-cdc"))
+        .args(["--workflow", wf.to_str().unwrap(), step])
+        .env("MSSQL_CDC_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
+fn last_json(out: &Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
+}
+
+/// Runs a step that must be refused: exit 2, `needle` in the error.
+fn expect_refused(wf: &Path, step: &str, needle: &str) -> String {
+    let out = run(wf, step);
+    let j = last_json(&out);
+    assert_eq!(out.status.code(), Some(2), "{step} must exit 2: {j}");
+    let msg = j["error"].as_str().unwrap().to_string();
+    assert!(msg.contains(needle), "the error should mention '{needle}': {msg}");
+    msg
+}
+
+fn expect_ok(wf: &Path, step: &str) -> serde_json::Value {
+    let out = run(wf, step);
+    assert_eq!(out.status.code(), Some(0), "{step}: {}", String::from_utf8_lossy(&out.stderr));
+    last_json(&out)
+}
+
+/// Every file under `dir`, recursively, with its size: a refused step must leave it unchanged.
+fn listing(dir: &Path) -> Vec<(String, u64)> {
+    let mut out = Vec::new();
+    fn walk(p: &Path, out: &mut Vec<(String, u64)>) {
+        if let Ok(rd) = std::fs::read_dir(p) {
+            for e in rd.flatten() {
+                let path = e.path();
+                if path.is_dir() {
+                    out.push((path.display().to_string(), 0));
+                    walk(&path, out);
+                } else if !path.to_string_lossy().contains("sqlite") && path.extension().and_then(|x| x.to_str()) != Some("toml") {
+                    // The source file and the workflow files are not targets.
+                    out.push((path.display().to_string(), e.metadata().map(|m| m.len()).unwrap_or(0)));
+                }
+            }
+        }
+    }
+    walk(dir, &mut out);
+    out.sort();
+    out
+}
+
+fn workflow(dir: &Path, file: &str, app_id: &str, table: &str, bronze: &str, facts: &str, extra: &str) -> std::path::PathBuf {
+    let path = dir.join(file);
+    std::fs::write(
+        &path,
+        format!(
+            "app_id = \"{app_id}\"\n[source]\nurl = \"sim://source.sqlite\"\n[table]\nname = \"{table}\"\n\
+             [target]\nbronze = \"{bronze}\"\nfacts = \"{facts}\"\n{extra}\n[snapshot]\nbootstrap = true\n"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+#[test]
+fn an_app_id_of_a_generations_form_is_refused_before_anything_is_written() {
+    let s = Scenario::new(20, "[snapshot]\nbootstrap = true\n");
+    // The stream `items` runs on shared tables.
+    expect_ok(&s.wf_path, "stream");
+    let before = listing(s.path());
+    // `items.g1` is the id generation 1 of `items` commits under.
+    let wf = workflow(s.path(), "collide.toml", "items.g1", "items", "bronze", "facts", "");
+    expect_refused(&wf, "stream", "generation");
+    expect_refused(&wf, "status", "generation");
+    assert_eq!(listing(s.path()), before, "nothing may be written");
+    // Other separators and characters are refused too; a plain dotted name is fine.
+    let wf = workflow(s.path(), "hash.toml", "items#x", "items", "b2", "f2", "");
+    expect_refused(&wf, "stream", "items#x");
+    assert!(!s.path().join("b2").exists() && !s.path().join("f2").exists());
+}
+
+#[test]
+fn one_table_spelt_twice_or_nested_is_refused_before_anything_is_written() {
+    let s = Scenario::new(5, "");
+    let abs = s.path().join("lake").join("x");
+    for (bronze, facts, needle) in [
+        ("lake/x".to_string(), "lake/x/".to_string(), "same table"),
+        ("lake/x".to_string(), format!("file://{}", abs.display()), "same table"),
+        ("lake/x".to_string(), "lake/y/../x".to_string(), "same table"),
+        ("lake/x".to_string(), "lake/x/facts".to_string(), "inside"),
+    ] {
+        let wf = workflow(s.path(), "bad.toml", "items", "items", &bronze, &facts, "");
+        expect_refused(&wf, "stream", needle);
+        assert!(!s.path().join("lake").exists(), "{bronze} / {facts}: nothing may be created");
+    }
+    // Silver inside bronze's folder.
+    let wf = workflow(s.path(), "bad.toml", "items", "items", "lake/b", "lake/f", "silver = \"lake/b/silver\"");
+    expect_refused(&wf, "apply", "inside");
+    expect_refused(&wf, "stream", "inside");
+    assert!(!s.path().join("lake").exists());
+}
+
+fn others_spec(name: &TableName) -> TableSpec {
+    TableSpec {
+        name: name.clone(),
+        columns: vec![ColumnDesc::new("code", SqlType::NVarChar { len: Some(10) }, false), ColumnDesc::new("v", SqlType::Int, true)],
+        primary_key: vec!["code".into()],
+        unique_index: vec![],
+    }
+}
+
+#[test]
+fn a_bronze_or_an_app_id_of_another_stream_is_refused_before_anything_is_written() {
+    let s = Scenario::new(20, "[snapshot]\nbootstrap = true\n");
+    let other = TableName::new("dbo", "others");
+    s.db.create_table(&others_spec(&other)).unwrap();
+    s.db.load_rows(&other, (0..5).map(|i| vec![SqlValue::Str(format!("c{i}")), SqlValue::Int(i)])).unwrap();
+    s.db.enable_cdc(&other, None, None).unwrap();
+    s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
+    s.db.capture().unwrap();
+    expect_ok(&s.wf_path, "stream");
+    let before = listing(s.path());
+
+    // Another table's workflow pointed at items' bronze (its own app id and facts).
+    let wf = workflow(s.path(), "others.toml", "others", "others", "bronze", "facts_others", "");
+    expect_refused(&wf, "stream", "dbo.items");
+    // The same app id for another table on the shared facts table.
+    let wf = workflow(s.path(), "others2.toml", "items", "others", "bronze_others", "facts", "");
+    expect_refused(&wf, "stream", "app id of its own");
+    // The same app id and table into another bronze table.
+    let wf = workflow(s.path(), "items2.toml", "items", "items", "bronze_items2", "facts", "");
+    expect_refused(&wf, "stream", "app id of its own");
+    let after: Vec<_> = listing(s.path())
+        .into_iter()
+        .filter(|(p, _)| !p.contains("facts_others") && !p.contains("bronze_others") && !p.contains("bronze_items2"))
+        .collect();
+    assert_eq!(after, before, "the first stream's tables are unchanged");
+    for t in ["facts_others", "bronze_others", "bronze_items2"] {
+        let p = s.path().join(t);
+        assert!(!p.join("_delta_log").exists(), "{t} must not be created");
+    }
+
+    // Its own app id and tables: fine, and its bronze records its table.
+    let wf = workflow(s.path(), "others3.toml", "others", "others", "bronze_others", "facts", "");
+    let j = expect_ok(&wf, "stream");
+    assert_eq!(j["caught_up"], true, "{j}");
+    expect_ok(&s.wf_path, "stream");
+}
+
+#[test]
+fn status_writes_nothing_on_a_new_stream_and_reads_a_started_one() {
+    let s = Scenario::new(10, "[snapshot]\nbootstrap = true\n");
+    let before = listing(s.path());
+    let j = expect_ok(&s.wf_path, "status");
+    assert_eq!(j["step"], "status");
+    assert_eq!(j["position"], serde_json::Value::Null, "{j}");
+    assert_eq!(j["generation"], 0);
+    assert_eq!(listing(s.path()), before, "status must create nothing");
+    assert!(!s.path().join("bronze").exists() && !s.path().join("facts").exists());
+    expect_ok(&s.wf_path, "stream");
+    let j = expect_ok(&s.wf_path, "status");
+    assert!(j["position"].is_string(), "{j}");
+    assert!(j["snapshot"].is_string(), "{j}");
+}
+
+#[test]
+fn silver_refuses_a_key_that_delta_would_round_before_writing_silver() {
+    let s = Scenario::new(1, "");
+    let name = TableName::new("dbo", "ticks");
+    s.db.create_table(&TableSpec {
+        name: name.clone(),
+        columns: vec![ColumnDesc::new("at", SqlType::DateTime2 { scale: 7 }, false), ColumnDesc::new("v", SqlType::Int, true)],
+        primary_key: vec!["at".into()],
+        unique_index: vec![],
+    })
+    .unwrap();
+    let t0 = Utc.with_ymd_and_hms(2026, 3, 1, 0, 0, 0).unwrap().naive_utc();
+    // Two keys 100 ns apart: distinct in SQL Server, one microsecond in Delta.
+    let rows = vec![
+        vec![SqlValue::DateTime(t0), SqlValue::Int(1)],
+        vec![SqlValue::DateTime(t0 + chrono::Duration::nanoseconds(100)), SqlValue::Int(2)],
+    ];
+    s.db.load_rows(&name, rows.into_iter()).unwrap();
+    s.db.enable_cdc(&name, None, None).unwrap();
+    s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
+    s.db.capture().unwrap();
+    let wf = workflow(s.path(), "ticks.toml", "ticks", "ticks", "bronze_ticks", "facts_ticks", "silver = \"silver_ticks\"");
+    expect_ok(&wf, "stream");
+    let msg = expect_refused(&wf, "apply", "100 ns");
+    assert!(msg.contains("snapshot.keys"), "the message names the fix: {msg}");
+    expect_refused(&wf, "reconcile", "100 ns");
+    assert!(!s.path().join("silver_ticks").join("_delta_log").exists(), "silver must not be created");
+    assert!(!s.path().join("silver_ticks_control").join("_delta_log").exists());
+}
