@@ -149,7 +149,7 @@ pub fn main() -> i32 {
         }
     };
     init_logging();
-    let _failpoints = fail::FailScenario::setup();
+    arm_failpoints();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -184,6 +184,34 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
         cur = c.source();
     }
     s
+}
+
+/// The variable that arms failpoints in this binary (crash drills, tests).
+pub const FAILPOINTS_ENV: &str = "MSSQL_CDC_FAILPOINTS";
+
+/// Arms the failpoints named in `MSSQL_CDC_FAILPOINTS` (`name=action;…`, as
+/// the `fail` crate's actions: `return`, `return(abort)`, `1*return`).
+///
+/// The failpoints are compiled into the release binary so that crash drills
+/// test the binary users run. They are never armed by the `fail` crate's
+/// generic `FAILPOINTS` variable, which another tool in the same environment
+/// might set: only by this program's own variable, and then loudly, on
+/// stderr, for every failpoint armed.
+fn arm_failpoints() {
+    if std::env::var_os("FAILPOINTS").is_some() {
+        tracing::warn!("FAILPOINTS is set and ignored: this program arms failpoints only from {FAILPOINTS_ENV}");
+    }
+    let Ok(spec) = std::env::var(FAILPOINTS_ENV) else { return };
+    for item in spec.split(';').map(str::trim).filter(|s| !s.is_empty()) {
+        let Some((name, action)) = item.split_once('=') else {
+            tracing::error!("{FAILPOINTS_ENV}: '{item}' is not name=action; ignored");
+            continue;
+        };
+        match fail::cfg(name, action) {
+            Ok(()) => tracing::warn!("failpoint {name} ARMED ({action}) by {FAILPOINTS_ENV}: this run may fail or abort on purpose"),
+            Err(e) => tracing::error!("{FAILPOINTS_ENV}: failpoint {name}: {e}"),
+        }
+    }
 }
 
 fn init_logging() {

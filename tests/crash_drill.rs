@@ -75,7 +75,7 @@ fn killed_process_reruns_to_the_same_result() {
         let mut c = std::process::Command::new(bin);
         c.arg("--workflow").arg(&wf_path).arg("stream").env("MSSQL_CDC_LOG", "warn");
         if let Some(fp) = fp {
-            c.env("FAILPOINTS", format!("{fp}=return(abort)"));
+            c.env("MSSQL_CDC_FAILPOINTS", format!("{fp}=return(abort)"));
         }
         c.output().unwrap()
     };

@@ -210,3 +210,30 @@ fn silver_refuses_a_key_that_delta_would_round_before_writing_silver() {
     assert!(!s.path().join("silver_ticks").join("_delta_log").exists(), "silver must not be created");
     assert!(!s.path().join("silver_ticks_control").join("_delta_log").exists());
 }
+
+#[test]
+fn failpoints_are_armed_only_by_the_programs_own_variable_and_say_so() {
+    let s = Scenario::new(5, "[snapshot]\nbootstrap = true\n");
+    let step = |var: &str| {
+        Command::new(env!("CARGO_BIN_EXE_mssql-cdc"))
+            .args(["--workflow", s.wf_path.to_str().unwrap(), "snapshot"])
+            .env("MSSQL_CDC_LOG", "warn")
+            .env(var, "snapshot.after_open=return")
+            .output()
+            .unwrap()
+    };
+    // The fail crate's generic variable is ignored, with a warning.
+    let out = step("FAILPOINTS");
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ignored"));
+    // The program's own variable arms it, loudly; the step fails there.
+    let s2 = Scenario::new(5, "[snapshot]\nbootstrap = true\n");
+    let out = Command::new(env!("CARGO_BIN_EXE_mssql-cdc"))
+        .args(["--workflow", s2.wf_path.to_str().unwrap(), "snapshot"])
+        .env("MSSQL_CDC_LOG", "warn")
+        .env("MSSQL_CDC_FAILPOINTS", "snapshot.after_open=return")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(75), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ARMED"));
+}

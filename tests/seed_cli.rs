@@ -144,7 +144,7 @@ fn an_open_snapshot_is_refused_with_how_to_finish_it() {
     let copy = s.path().join("copy");
     copy_of(&rt, &s, &copy, None);
     let wf = s.wf_path.to_str().unwrap();
-    let out = run(&["--workflow", wf, "snapshot"], &[("FAILPOINTS", "snapshot.after_open=return")]);
+    let out = run(&["--workflow", wf, "snapshot"], &[("MSSQL_CDC_FAILPOINTS", "snapshot.after_open=return")]);
     assert_eq!(out.status.code(), Some(75), "{}", String::from_utf8_lossy(&out.stdout));
     let before = versions(&rt, &s);
     let recorded = s.db.max_lsn().unwrap().unwrap();

@@ -393,7 +393,7 @@ fn cli_apply_killed_between_its_commits_then_reconcile_exit_codes() {
         let mut c = std::process::Command::new(bin);
         c.arg("--workflow").arg(&wf_path).arg(step).env("MSSQL_CDC_LOG", "warn");
         if let Some(fp) = fp {
-            c.env("FAILPOINTS", format!("{fp}=return(abort)"));
+            c.env("MSSQL_CDC_FAILPOINTS", format!("{fp}=return(abort)"));
         }
         let out = c.output().unwrap();
         let last: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or("null")).unwrap_or_default();

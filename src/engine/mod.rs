@@ -33,8 +33,9 @@ use crate::source::{CaptureInstance, ServerZone, SharedSource, SourceSecrets, Ta
 use crate::workflow::Workflow;
 
 /// Every failpoint, in the order a bootstrap and a batch pass them. Set one
-/// with `FAILPOINTS=name=return` (the step fails as if it crashed there) or
-/// `FAILPOINTS=name=return(abort)` (the process aborts there, like a kill).
+/// with `MSSQL_CDC_FAILPOINTS=name=return` (the step fails as if it crashed
+/// there) or `MSSQL_CDC_FAILPOINTS=name=return(abort)` (the process aborts
+/// there, like a kill); see `cli::arm_failpoints`.
 pub const FAILPOINTS: &[&str] = &[
     "snapshot.after_open",
     "snapshot.after_bronze",
