@@ -4,15 +4,22 @@
 //! own idea of a range ([`crate::source::KeyRange::contains`]) so that the two
 //! can disagree when one of them is wrong.
 //!
-//! The statement shape modelled (the protocol's contract for range reads):
+//! The statement shape modelled (the protocol's contract for range reads,
+//! argued in `src/mssql/sql.rs`):
 //!
-//! - each bound component is sent as a parameter and, in the predicate,
-//!   converted to the key column's type: `[k] < CAST(@P AS <column type>)`.
-//!   A value outside the type's range fails the whole statement with SQL
-//!   Server's error 8115, *"Arithmetic overflow error converting expression
-//!   to data type int."*, whatever rows the range holds: the converted
-//!   parameter is a runtime constant, computed once before the index seek
-//!   whose bounds it gives, so the server fails before it reads a row;
+//! - a bound component of an integer column (tinyint, smallint, int, bigint)
+//!   is a bigint parameter compared with the column as it is, `[k] < @P`:
+//!   by data type precedence the column's value converts to bigint, which
+//!   holds every value of every integer type, so no bound can fail, and a
+//!   bound past the column type's range (MAX + 1 of an int key) is simply
+//!   above (or below) every row;
+//! - a bound component of any other column is converted to the column's
+//!   type, `[k] < CAST(@P AS <column type>)`. A value the type cannot hold
+//!   fails the whole statement with SQL Server's error 8115 (*"Arithmetic
+//!   overflow error converting numeric to data type numeric."* for a
+//!   decimal) whatever rows the range holds: the converted parameter is a
+//!   runtime constant, computed once before the index seek whose bounds it
+//!   gives, so the server fails before it reads a row;
 //! - the lower bound keeps rows whose key is at or above it and no row with
 //!   a NULL key column (a comparison with NULL is unknown); the upper bound
 //!   keeps rows below it and every row with a NULL key column (the first range
@@ -28,37 +35,37 @@ use crate::types::{Key, SqlType, SqlValue};
 use super::db;
 use super::keys;
 
-/// SQL Server's error 8115 on converting a value to an integer type it does
-/// not fit, reported as the real client reports a server error it does not
-/// classify.
-fn overflow(type_name: &str) -> SourceError {
-    SourceError::Other(format!("SQL Server error 8115: Arithmetic overflow error converting expression to data type {type_name}."))
-}
-
-/// The name and value range of an integer type (tinyint is unsigned).
-fn integer_type(t: &SqlType) -> Option<(&'static str, i64, i64)> {
-    match t {
-        SqlType::TinyInt => Some(("tinyint", 0, 255)),
-        SqlType::SmallInt => Some(("smallint", -32_768, 32_767)),
-        SqlType::Int => Some(("int", -2_147_483_648, 2_147_483_647)),
-        SqlType::BigInt => Some(("bigint", i64::MIN, i64::MAX)),
-        _ => None,
-    }
+/// SQL Server's error 8115, reported as the real client reports a server
+/// error it does not classify.
+fn overflow(what: &str) -> SourceError {
+    SourceError::Other(format!("SQL Server error 8115: Arithmetic overflow error converting {what}."))
 }
 
 /// One bound component as the statement compares it with its column of type
-/// `t`: converted to the column's type (see the module doc).
+/// `t` (see the module doc).
 pub fn bound_as_compared(t: &SqlType, v: &SqlValue) -> Result<SqlValue, SourceError> {
     if v.is_null() {
         return Ok(SqlValue::Null);
     }
-    if let (Some((name, min, max)), SqlValue::Int(x)) = (integer_type(t), v) {
-        return if *x < min || *x > max { Err(overflow(name)) } else { Ok(SqlValue::Int(*x)) };
+    match t {
+        // `[k] < @P`, @P bigint: the column converts, never the bound.
+        SqlType::TinyInt | SqlType::SmallInt | SqlType::Int | SqlType::BigInt => Ok(v.clone()),
+        // `CAST(@P AS <type>)`: rounds decimals and fractional seconds as
+        // CAST does; past an exact numeric type's range it is error 8115.
+        _ => match db::coerce_value(v.clone(), t) {
+            Ok(c) => Ok(c),
+            Err(_) => {
+                let from = if matches!(v, SqlValue::Int(_)) { "bigint" } else { "numeric" };
+                match t {
+                    SqlType::Decimal { .. } => Err(overflow(&format!("{from} to data type numeric"))),
+                    SqlType::Money => Err(overflow("expression to data type money")),
+                    SqlType::SmallMoney => Err(overflow("expression to data type smallmoney")),
+                    // A conversion the simulator does not model: compared as sent.
+                    _ => Ok(v.clone()),
+                }
+            }
+        },
     }
-    // Other types: the conversion to the column's type (rounding decimals and
-    // fractional seconds as CAST does); a value the simulator cannot convert
-    // is compared as sent.
-    Ok(db::coerce_value(v.clone(), t).unwrap_or_else(|_| v.clone()))
 }
 
 /// A key range as the server evaluates it for key columns of `types`.
@@ -118,13 +125,25 @@ mod tests {
     }
 
     #[test]
-    fn a_bound_past_the_columns_type_is_error_8115() {
-        for (t, name, past) in [(SqlType::Int, "int", 2_147_483_648i64), (SqlType::SmallInt, "smallint", 32_768), (SqlType::TinyInt, "tinyint", 256)] {
-            let e = RangePredicate::new(&[t.clone()], &range(Some(0), Some(past))).err().expect("overflow");
-            assert_eq!(e.to_string(), format!("source error: SQL Server error 8115: Arithmetic overflow error converting expression to data type {name}."));
-            assert!(RangePredicate::new(&[t], &range(Some(past - 1), None)).is_ok());
+    fn an_integer_bound_past_the_columns_type_is_compared_as_bigint() {
+        for (t, max) in [(SqlType::Int, 2_147_483_647i64), (SqlType::SmallInt, 32_767), (SqlType::TinyInt, 255)] {
+            // MAX + 1 as the last chunk's end: every row below it, none failing.
+            let p = RangePredicate::new(&[t.clone()], &range(Some(max - 3), Some(max + 1))).unwrap();
+            assert!(p.holds(&[SqlValue::Int(max)]) && p.holds(&[SqlValue::Int(max - 3)]) && !p.holds(&[SqlValue::Int(max - 4)]));
+            let p = RangePredicate::new(&[t], &range(Some(max + 1), None)).unwrap();
+            assert!(!p.holds(&[SqlValue::Int(max)]), "a range from MAX + 1 holds no row");
         }
-        assert!(RangePredicate::new(&[SqlType::TinyInt], &range(Some(-1), None)).is_err(), "tinyint has no negative values");
+        let p = RangePredicate::new(&[SqlType::TinyInt], &range(Some(-1), Some(1))).unwrap();
+        assert!(p.holds(&[SqlValue::Int(0)]), "a negative bound on tinyint is below every row");
+    }
+
+    #[test]
+    fn a_cast_bound_past_a_decimal_columns_precision_is_error_8115() {
+        let t = SqlType::Decimal { precision: 5, scale: 2 };
+        let e = RangePredicate::new(&[t.clone()], &range(Some(0), Some(1000))).err().expect("overflow");
+        assert_eq!(e.to_string(), "source error: SQL Server error 8115: Arithmetic overflow error converting bigint to data type numeric.");
+        let ok = RangePredicate::new(&[t], &range(Some(0), Some(999))).unwrap();
+        assert!(ok.holds(&[SqlValue::Decimal { value: 99_899, scale: 2 }]) && !ok.holds(&[SqlValue::Decimal { value: 99_900, scale: 2 }]));
     }
 
     #[test]
