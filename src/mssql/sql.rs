@@ -438,6 +438,13 @@ pub fn slice_counts(table: &TableName, key: &str, lo: i64, hi: i64, width: i64) 
     )
 }
 
+/// The rows whose key column is NULL (they belong to the first chunk of a
+/// plan; `slice_counts`'s BETWEEN leaves them out). Column: n.
+pub fn null_count(table: &TableName, key: &str) -> Statement {
+    let k = quote_ident(key);
+    Statement::new(format!("SELECT COUNT_BIG(*) AS n FROM {} WHERE {k} IS NULL", quote_table(table)), vec![])
+}
+
 /// Reconcile tier 1: per slice of an integer key, the row count and the exact
 /// sum of the key. Columns: slice_start, n, key_sum (decimal(38,0)).
 pub fn bucket_sums(table: &TableName, key: &str, lo: i64, hi: i64, width: i64) -> Statement {
@@ -624,6 +631,7 @@ mod tests {
         golden("key_extent_composite", &key_extent(&t, &k2));
         golden("slice_counts", &slice_counts(&t, "id ]", i64::MIN, i64::MAX, 1 << 40));
         golden("bucket_sums", &bucket_sums(&t, "id ]", -10, 1_000, 100));
+        golden("null_count", &null_count(&t, "id ]"));
         golden("key_seek_first", &key_seek(&t, &k1, &KeyRange::all(), 0).unwrap());
         let range = KeyRange { lo: Some(vec![SqlValue::Str("m".into()), SqlValue::Int(5)]), hi: Some(vec![SqlValue::Str("t".into()), SqlValue::Int(0)]) };
         golden("key_seek_composite", &key_seek(&t, &k2, &range, 1000).unwrap());

@@ -647,6 +647,27 @@ impl CdcSource for SimSource {
         .await
     }
 
+    async fn null_count(&self, table: &TableName, key: &str, isolation: Isolation) -> Result<u64, SourceError> {
+        let (name, key) = (table.clone(), key.to_string());
+        self.call(move |c, p, cfg| {
+            check_isolation(cfg, isolation, p)?;
+            let tx = c.transaction().map_err(sql_err(p))?;
+            let t = self::table(&tx, p, &name)?;
+            let pos = key_positions(&t, std::slice::from_ref(&key))?[0];
+            // Every row's stored value, read from the rows themselves (no index on a NULL).
+            let mut n = 0u64;
+            let plan = RangePlan { lo: vec![], hi: None, exact: false, ordered: false };
+            scan_rows(&tx, p, &t, &plan, |row| {
+                if row[pos].is_null() {
+                    n += 1;
+                }
+                Ok(true)
+            })?;
+            Ok(n)
+        })
+        .await
+    }
+
     async fn bucket_sums(
         &self,
         table: &TableName,
