@@ -514,6 +514,10 @@ impl KeyCounter for SourceKeys {
     async fn count(&self, lo: i64, hi: i64, width: i64) -> Result<Vec<(i64, u64)>, SourceError> {
         self.source.slice_counts(&self.table, &self.keys[0], lo, hi, width, self.isolation).await
     }
+
+    async fn null_rows(&self) -> Result<u64, SourceError> {
+        self.source.null_count(&self.table, &self.keys[0], self.isolation).await
+    }
 }
 
 #[async_trait]

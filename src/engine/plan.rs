@@ -7,6 +7,13 @@
 //! key's spread: a dense cluster is split, a sparse region or a far sentinel
 //! joins its neighbours, and no chunk starts on an empty slice.
 //!
+//! NULL keys are counted too, once, as the first thing packed: the first
+//! chunk is the range open below, which is where the range predicates put
+//! NULL keys, so a plan that left them out would promise that chunk fewer
+//! rows than it reads (a heap with many NULLs read 1,081 rows in a chunk
+//! planned for 280). Packed like a value of their own, NULLs never split,
+//! and when they fill a chunk the first chunk holds them alone.
+//!
 //! Any other key (composite, string, date and time, uniqueidentifier, or a
 //! column that is not unique) gets keyset bounds: the key `chunk_rows` rows
 //! after the previous bound, sought up front below the MAX recorded at the
@@ -63,18 +70,23 @@ pub fn slices_to_refine(slices: &[Slice], chunk_rows: u64) -> Vec<Slice> {
     slices.iter().filter(|s| s.rows > chunk_rows && s.width > 1).copied().collect()
 }
 
-/// Packs non-empty slices (sorted by start, not overlapping) into chunks of
-/// at most `chunk_rows` rows; a single-value slice holding more is a chunk
-/// of its own. The first chunk is open below; the last ends at `max + 1`
-/// (open when that is past BIGINT). Empty input (an empty table) plans one
-/// open chunk.
-pub fn pack_slices(slices: &[Slice], chunk_rows: u64, max: i64) -> Vec<IntChunk> {
+/// Packs the NULL keys' rows, then the non-empty slices (sorted by start,
+/// not overlapping), into chunks of at most `chunk_rows` rows; the NULLs, or
+/// a single-value slice, holding more are a chunk of their own. The first
+/// chunk is open below (it reads the NULLs); the last ends at `max + 1`
+/// (open when that is past BIGINT). Nothing to pack (an empty table) plans
+/// one open chunk.
+pub fn pack_slices(null_rows: u64, slices: &[Slice], chunk_rows: u64, max: i64) -> Vec<IntChunk> {
     let chunk_rows = chunk_rows.max(1);
-    let mut starts: Vec<(i64, u64)> = Vec::new(); // (chunk start, rows)
+    // (chunk start, rows); the NULLs' start is below every value.
+    let mut starts: Vec<(Option<i64>, u64)> = Vec::new();
+    if null_rows > 0 {
+        starts.push((None, null_rows));
+    }
     for s in slices.iter().filter(|s| s.rows > 0) {
         match starts.last_mut() {
             Some((_, rows)) if *rows + s.rows <= chunk_rows => *rows += s.rows,
-            _ => starts.push((s.start, s.rows)),
+            _ => starts.push((Some(s.start), s.rows)),
         }
     }
     if starts.is_empty() {
@@ -84,8 +96,8 @@ pub fn pack_slices(slices: &[Slice], chunk_rows: u64, max: i64) -> Vec<IntChunk>
     let n = starts.len();
     (0..n)
         .map(|i| IntChunk {
-            lo: if i == 0 { None } else { Some(starts[i].0) },
-            hi: if i + 1 < n { Some(starts[i + 1].0) } else { last_hi },
+            lo: if i == 0 { None } else { starts[i].0 },
+            hi: if i + 1 < n { starts[i + 1].0 } else { last_hi },
             rows: starts[i].1,
         })
         .collect()
@@ -109,6 +121,9 @@ pub fn chunk_of(chunks: &[IntChunk], value: Option<i64>) -> Vec<usize> {
 pub trait KeyCounter: Send + Sync {
     /// (slice start, rows) of the non-empty slices of width `width` from `lo`, for values in `[lo, hi]`.
     async fn count(&self, lo: i64, hi: i64, width: i64) -> Result<Vec<(i64, u64)>, SourceError>;
+
+    /// Rows whose key is NULL (the source's `null_count`).
+    async fn null_rows(&self) -> Result<u64, SourceError>;
 }
 
 /// Seeks keys (the source's `key_seek`).
@@ -125,7 +140,7 @@ fn ceil_div(a: u128, b: u128) -> u128 {
 /// Plans one integer key over `[min, max]` from per-slice counts: a first grid
 /// of about 16 slices per chunk (sized from `row_estimate`), every slice
 /// holding more than `chunk_rows` counted again on a finer grid over its own
-/// values, down to one value, then packed.
+/// values, down to one value, then packed after the NULL keys' rows.
 pub async fn plan_integer(counter: &dyn KeyCounter, min: i64, max: i64, chunk_rows: u64, row_estimate: u64) -> Result<Vec<IntChunk>, SourceError> {
     let chunk_rows = chunk_rows.max(1);
     let span = (max as i128 - min as i128 + 1) as u128;
@@ -149,7 +164,8 @@ pub async fn plan_integer(counter: &dyn KeyCounter, min: i64, max: i64, chunk_ro
         }
     }
     done.sort_by_key(|s| s.start);
-    Ok(pack_slices(&done, chunk_rows, max))
+    let null_rows = counter.null_rows().await?;
+    Ok(pack_slices(null_rows, &done, chunk_rows, max))
 }
 
 /// What a keyset plan's key columns are, for the rules that depend on type.
@@ -285,11 +301,15 @@ mod tests {
     use proptest::prelude::*;
     use std::collections::BTreeMap;
 
-    /// An in-memory integer column: value -> rows.
+    /// An in-memory integer column: value -> rows (and no NULL keys).
     struct Counts(BTreeMap<i64, u64>);
 
     #[async_trait]
     impl KeyCounter for Counts {
+        async fn null_rows(&self) -> Result<u64, SourceError> {
+            Ok(0)
+        }
+
         async fn count(&self, lo: i64, hi: i64, width: i64) -> Result<Vec<(i64, u64)>, SourceError> {
             let mut out: BTreeMap<i64, u64> = BTreeMap::new();
             for (v, n) in self.0.range(lo..=hi) {
@@ -381,20 +401,48 @@ mod tests {
         v.insert(i64::MAX, 1); // a sentinel at BIGINT's max
         let slices = count(&v, 1, i64::MAX, (i64::MAX as i128) / 16, 100);
         assert!(slices_to_refine(&slices, 100).is_empty());
-        let chunks = pack_slices(&slices, 100, i64::MAX);
+        let chunks = pack_slices(0, &slices, 100, i64::MAX);
         assert!(chunks.len() >= 10, "{chunks:?}");
         assert_eq!(chunks.last().unwrap().hi, None, "MAX + 1 is past BIGINT: the last chunk is open");
         assert_eq!(chunk_of(&chunks, Some(i64::MAX)).len(), 1);
         assert_eq!(chunk_of(&chunks, None), vec![0]);
     }
 
+    /// An in-memory nullable integer column: values -> rows, and NULL keys.
+    struct NullableCounts(BTreeMap<i64, u64>, u64);
+
+    #[async_trait]
+    impl KeyCounter for NullableCounts {
+        async fn count(&self, lo: i64, hi: i64, width: i64) -> Result<Vec<(i64, u64)>, SourceError> {
+            Counts(self.0.clone()).count(lo, hi, width).await
+        }
+        async fn null_rows(&self) -> Result<u64, SourceError> {
+            Ok(self.1)
+        }
+    }
+
+    #[test]
+    fn null_keys_are_planned_into_the_first_chunk() {
+        let v: BTreeMap<i64, u64> = (1..=50).map(|k| (k, 1)).collect();
+        // Many NULLs: a first chunk of their own, below the first value.
+        let chunks = block(plan_integer(&NullableCounts(v.clone(), 70), 1, 50, 10, 120)).unwrap();
+        assert_eq!(chunks[0], IntChunk { lo: None, hi: Some(1), rows: 70 }, "{chunks:?}");
+        assert_eq!(chunks.iter().map(|c| c.rows).sum::<u64>(), 120);
+        // A few NULLs share the first chunk with the smallest values.
+        let chunks = block(plan_integer(&NullableCounts(v, 4), 1, 50, 10, 54)).unwrap();
+        assert_eq!(chunks[0].lo, None);
+        assert_eq!(chunks[0].rows, 4 + (1..chunks[0].hi.unwrap()).count() as u64, "{chunks:?}");
+        assert!(chunks.iter().all(|c| c.rows <= 10), "{chunks:?}");
+        assert_eq!(chunks.iter().map(|c| c.rows).sum::<u64>(), 54);
+    }
+
     #[test]
     fn one_value_with_more_rows_than_a_chunk_is_its_own_chunk() {
         let v: BTreeMap<i64, u64> = [(5, 3), (6, 500), (7, 2)].into_iter().collect();
         let slices = count(&v, 5, 7, 3, 100);
-        let chunks = pack_slices(&slices, 100, 7);
+        let chunks = pack_slices(0, &slices, 100, 7);
         assert_eq!(chunks.iter().map(|c| c.rows).collect::<Vec<_>>(), vec![3, 500, 2]);
-        assert_eq!(pack_slices(&[], 100, 0), vec![IntChunk { lo: None, hi: None, rows: 0 }]);
+        assert_eq!(pack_slices(0, &[], 100, 0), vec![IntChunk { lo: None, hi: None, rows: 0 }]);
     }
 
     proptest! {
@@ -403,12 +451,13 @@ mod tests {
             keys in proptest::collection::vec((-5000i64..5000, 1u64..40), 1..300),
             chunk_rows in 1u64..200,
             probe in -6000i64..6000,
+            nulls in prop_oneof![Just(0u64), 1u64..400],
         ) {
             let values: BTreeMap<i64, u64> = keys.into_iter().collect();
             let (min, max) = (*values.keys().next().unwrap(), *values.keys().last().unwrap());
             let width = (((max as i128 - min as i128 + 1) / 16).max(1)) as i128;
             let slices = count(&values, min, max, width, chunk_rows);
-            let chunks = pack_slices(&slices, chunk_rows, max);
+            let chunks = pack_slices(nulls, &slices, chunk_rows, max);
             // Every value up to MAX (and NULL) in exactly one chunk; keys above
             // MAX were inserted after S, and the stream has them (P4).
             prop_assert_eq!(chunk_of(&chunks, Some(probe.min(max))).len(), 1);
@@ -416,14 +465,19 @@ mod tests {
             for (v, _) in &values {
                 prop_assert_eq!(chunk_of(&chunks, Some(*v)).len(), 1);
             }
-            // No empty chunk; none over chunk_rows unless it is one value.
-            for c in &chunks {
+            // Each chunk's rows are the rows its predicates hold, NULLs in
+            // the first; no chunk is empty, and none is over chunk_rows
+            // unless it holds one value (or the NULLs) alone.
+            for (i, c) in chunks.iter().enumerate() {
+                let holds: Vec<(i64, u64)> = values.iter().filter(|(k, _)| chunk_of(std::slice::from_ref(c), Some(**k)).len() == 1).map(|(k, n)| (*k, *n)).collect();
+                let null_rows = if i == 0 { nulls } else { 0 };
+                prop_assert_eq!(c.rows, holds.iter().map(|(_, n)| n).sum::<u64>() + null_rows, "{:?}", c);
                 prop_assert!(c.rows > 0);
-                let distinct = values.keys().filter(|k| chunk_of(std::slice::from_ref(c), Some(**k)).len() == 1).count();
+                let distinct = holds.len() + usize::from(null_rows > 0);
                 prop_assert!(c.rows <= chunk_rows || distinct == 1, "{:?} holds {} values", c, distinct);
             }
             // The counts add up.
-            prop_assert_eq!(chunks.iter().map(|c| c.rows).sum::<u64>(), values.values().sum::<u64>());
+            prop_assert_eq!(chunks.iter().map(|c| c.rows).sum::<u64>(), values.values().sum::<u64>() + nulls);
         }
     }
     fn string_shape(unique: bool) -> KeysetShape {

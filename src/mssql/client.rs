@@ -777,6 +777,15 @@ impl CdcSource for MssqlSource {
             .collect()
     }
 
+    async fn null_count(&self, table: &TableName, key: &str, isolation: Isolation) -> Result<u64, SourceError> {
+        let rows = self.rows(&sql::null_count(table, key), isolation).await?;
+        let n = match rows.first() {
+            Some(r) => convert::row_i64(r, 0)?.unwrap_or(0),
+            None => 0,
+        };
+        u64::try_from(n).map_err(|_| SourceError::Other(format!("COUNT_BIG answered {n}")))
+    }
+
     async fn bucket_sums(
         &self,
         table: &TableName,

@@ -8,6 +8,32 @@
 //! * the few literals in the text are fixed by this module (`N'all'`, type
 //!   names from [`SqlType::sql_name`]), never taken from the workflow.
 //!
+//! Key bounds and key values of integer columns (tinyint, smallint, int,
+//! bigint) are bound as `bigint` parameters and compared with the column
+//! as they are, `[id] < @P2`, never cast to the column's type:
+//! * a chunk's upper bound is one past the key's MAX (the first value after
+//!   the range), so on an int key whose MAX is 2147483647 it is 2147483648;
+//!   `CAST(@P2 AS int)` fails that statement with error 8115 (arithmetic
+//!   overflow) on every call, and the snapshot could never finish. Compared
+//!   as bigint it is just a bound above every row;
+//! * by data type precedence SQL Server compares an int column with a bigint
+//!   parameter as bigint, and the index seek still works: the optimizer turns
+//!   the bigint value into a range of the column's type at run time
+//!   (`GetRangeWithMismatchedTypes`, a dynamic seek), clamping a value past
+//!   the type's range instead of converting it. Writing the conversion on the
+//!   column side, `CAST([id] AS bigint) < @P2`, would also avoid the overflow
+//!   but makes the predicate opaque to the index: a scan per chunk;
+//! * bigint parameters are what the driver sends for the engine's integer
+//!   values anyway, so this is the plain `[id] < @P2`.
+//!
+//! Other types keep the cast: a varchar bound must compare under the
+//! column's collation (an nvarchar parameter would convert the column and
+//! lose the seek), and a datetime bound as datetime. Their bounds are key
+//! values read from the column, so they always fit its type.
+//! The integer parameters of slice counts and reconcile's bucket sums
+//! (`BETWEEN @P1 AND @P2`, bigint) follow the same rule, and their arithmetic
+//! runs in decimal(38,0), which no bigint overflows.
+//!
 //! The golden tests at the bottom snapshot each statement and parse it with
 //! sqlparser's SQL Server dialect.
 
@@ -75,6 +101,18 @@ fn object_name_value(t: &TableName) -> SqlValue {
 /// `cdc.[fn_cdc_get_all_changes_<ci>]`: the function name quoted as one identifier.
 pub fn all_changes_function(capture_instance: &str) -> String {
     format!("cdc.{}", quote_ident(&format!("fn_cdc_get_all_changes_{capture_instance}")))
+}
+
+/// A key bound's placeholder as it enters a comparison with its column: an
+/// integer column's bound as the bigint parameter itself (see the module doc:
+/// never cast to the column's type, which MAX + 1 overflows), any other
+/// column's cast to the column's type.
+fn bound_expr(placeholder: String, t: &SqlType) -> String {
+    if t.is_integer() {
+        placeholder
+    } else {
+        format!("CAST({placeholder} AS {})", cast_type(t))
+    }
 }
 
 /// The type a key parameter is cast to so that it compares as the column does
@@ -259,7 +297,7 @@ fn lex_compare(keys: &[KeyCol], bound: &[SqlValue], greater: bool, p: &mut Param
             return None;
         }
         if cache[i].is_none() {
-            cache[i] = Some(format!("CAST({} AS {})", p.bind(bound[i].clone()), cast_type(&keys[i].sql_type)));
+            cache[i] = Some(bound_expr(p.bind(bound[i].clone()), &keys[i].sql_type));
         }
         cache[i].clone()
     };
@@ -398,6 +436,13 @@ pub fn slice_counts(table: &TableName, key: &str, lo: i64, hi: i64, width: i64) 
         ),
         p.0,
     )
+}
+
+/// The rows whose key column is NULL (they belong to the first chunk of a
+/// plan; `slice_counts`'s BETWEEN leaves them out). Column: n.
+pub fn null_count(table: &TableName, key: &str) -> Statement {
+    let k = quote_ident(key);
+    Statement::new(format!("SELECT COUNT_BIG(*) AS n FROM {} WHERE {k} IS NULL", quote_table(table)), vec![])
 }
 
 /// Reconcile tier 1: per slice of an integer key, the row count and the exact
@@ -586,10 +631,32 @@ mod tests {
         golden("key_extent_composite", &key_extent(&t, &k2));
         golden("slice_counts", &slice_counts(&t, "id ]", i64::MIN, i64::MAX, 1 << 40));
         golden("bucket_sums", &bucket_sums(&t, "id ]", -10, 1_000, 100));
+        golden("null_count", &null_count(&t, "id ]"));
         golden("key_seek_first", &key_seek(&t, &k1, &KeyRange::all(), 0).unwrap());
         let range = KeyRange { lo: Some(vec![SqlValue::Str("m".into()), SqlValue::Int(5)]), hi: Some(vec![SqlValue::Str("t".into()), SqlValue::Int(0)]) };
         golden("key_seek_composite", &key_seek(&t, &k2, &range, 1000).unwrap());
         assert!(key_seek(&t, &k1, &KeyRange::all(), u64::MAX).is_err());
+    }
+
+    /// MAX + 1 of an int key (the last chunk's end) goes out as a bigint
+    /// parameter compared with the column, never converted to the column's
+    /// type (which fails with error 8115); a varchar bound keeps its cast.
+    #[test]
+    fn integer_bounds_are_never_cast_to_the_columns_type() {
+        let t = odd_table();
+        let read = vec![ReadColumn { desc: ColumnDesc::new("id", SqlType::Int, false), present: true }];
+        for ty in [SqlType::TinyInt, SqlType::SmallInt, SqlType::Int, SqlType::BigInt] {
+            let keys = vec![key("id", ty.clone())];
+            let range = KeyRange { lo: Some(vec![SqlValue::Int(2_147_483_600)]), hi: Some(vec![SqlValue::Int(2_147_483_648)]) };
+            let st = snapshot_read(&t, &read, &keys, &range).unwrap();
+            assert!(st.sql.ends_with("WHERE ([id] >= @P1) AND ([id] IS NULL OR [id] < @P2)"), "{ty:?}: {}", st.sql);
+            assert_eq!(st.params, vec![SqlValue::Int(2_147_483_600), SqlValue::Int(2_147_483_648)]);
+            let seek = key_seek(&t, &keys, &range, 5).unwrap();
+            assert!(!seek.sql.contains("CAST(@P"), "{ty:?}: {}", seek.sql);
+        }
+        let keys = vec![key("code", SqlType::VarChar { len: Some(4) })];
+        let st = snapshot_read(&t, &read, &keys, &KeyRange { lo: None, hi: Some(vec![SqlValue::Str("m".into())]) }).unwrap();
+        assert!(st.sql.contains("[code] < CAST(@P1 AS varchar(4))"), "{}", st.sql);
     }
 
     #[test]

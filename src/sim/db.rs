@@ -1576,6 +1576,21 @@ impl SimDb {
         Ok(out)
     }
 
+    /// Every row of a table (values in column order), in key order (a heap:
+    /// insertion order), read straight from the simulator's storage (for tests
+    /// that check what a reader wrote against the table itself).
+    pub fn rows(&self, table: &TableName) -> Result<Vec<Vec<SqlValue>>> {
+        let c = self.conn();
+        let t = find_table(&c, &self.path, table)?;
+        let mut st = c.prepare("SELECT data FROM rows WHERE table_id = ?1 ORDER BY sk").ctx(&self.path)?;
+        let mut rows = st.query([t.id]).ctx(&self.path)?;
+        let mut out = Vec::new();
+        while let Some(r) = rows.next().ctx(&self.path)? {
+            out.push(t.decode_row(&r.get::<_, String>(0).ctx(&self.path)?)?);
+        }
+        Ok(out)
+    }
+
     /// A JSON summary: clock, configuration, tables, instances, LSNs, pending work.
     pub fn status(&self) -> Result<serde_json::Value> {
         let c = self.conn();

@@ -29,6 +29,7 @@
 //! [`workload`] drives a random transactional workload and provides the
 //! `orders` demo table; [`cli`] is the `mssql-cdc sim ...` subcommand.
 
+pub mod bounds;
 pub mod cli;
 pub mod db;
 pub mod keys;

@@ -24,6 +24,7 @@ use crate::source::{
 };
 use crate::types::{key_cmp, BatchBuilder, Key, SqlType, SqlValue};
 
+use super::bounds::RangePredicate;
 use super::db::{self, FaultOn, SimConfig, SimError, SqlCtx, TableMeta};
 use super::keys;
 
@@ -366,6 +367,10 @@ fn scan_rows(
     }
 }
 
+fn key_types(t: &TableMeta, key_pos: &[usize]) -> Vec<SqlType> {
+    key_pos.iter().map(|&i| t.spec.columns[i].sql_type.clone()).collect()
+}
+
 fn key_positions(t: &TableMeta, keys: &[String]) -> Result<Vec<usize>, SourceError> {
     keys.iter()
         .map(|k| {
@@ -512,13 +517,15 @@ impl CdcSource for SimSource {
             let t = self::table(conn, path, &read.table)?;
             let cols: Vec<Option<usize>> = read.columns.iter().map(|c| t.column_index(&c.name)).collect();
             let key_pos = key_positions(&t, &read.keys)?;
-            let plan = plan_range(&t, &key_pos, &read.range);
+            // The statement fails before any row is read when a bound does not convert.
+            let pred = RangePredicate::new(&key_types(&t, &key_pos), &read.range)?;
+            let plan = plan_range(&t, &key_pos, pred.typed());
             let mut em = Emitter::new(sink, BatchBuilder::new(&read.columns));
             let mut stopped = false;
             scan_rows(conn, path, &t, &plan, |row| {
                 if !plan.exact {
                     let key: Vec<SqlValue> = key_pos.iter().map(|&i| row[i].clone()).collect();
-                    if !read.range.contains(&key) {
+                    if !pred.holds(&key) {
                         return Ok(true);
                     }
                 }
@@ -640,6 +647,27 @@ impl CdcSource for SimSource {
         .await
     }
 
+    async fn null_count(&self, table: &TableName, key: &str, isolation: Isolation) -> Result<u64, SourceError> {
+        let (name, key) = (table.clone(), key.to_string());
+        self.call(move |c, p, cfg| {
+            check_isolation(cfg, isolation, p)?;
+            let tx = c.transaction().map_err(sql_err(p))?;
+            let t = self::table(&tx, p, &name)?;
+            let pos = key_positions(&t, std::slice::from_ref(&key))?[0];
+            // Every row's stored value, read from the rows themselves (no index on a NULL).
+            let mut n = 0u64;
+            let plan = RangePlan { lo: vec![], hi: None, exact: false, ordered: false };
+            scan_rows(&tx, p, &t, &plan, |row| {
+                if row[pos].is_null() {
+                    n += 1;
+                }
+                Ok(true)
+            })?;
+            Ok(n)
+        })
+        .await
+    }
+
     async fn bucket_sums(
         &self,
         table: &TableName,
@@ -709,7 +737,8 @@ impl CdcSource for SimSource {
             let tx = c.transaction().map_err(sql_err(p))?;
             let t = self::table(&tx, p, &name)?;
             let key_pos = key_positions(&t, &keys)?;
-            let plan = plan_range(&t, &key_pos, &range);
+            let pred = RangePredicate::new(&key_types(&t, &key_pos), &range)?;
+            let plan = plan_range(&t, &key_pos, pred.typed());
             let extract = |row: &[SqlValue]| -> Key { key_pos.iter().map(|&i| row[i].clone()).collect() };
             if plan.exact {
                 let d: Option<String> = tx
@@ -727,7 +756,7 @@ impl CdcSource for SimSource {
                 let mut found = None;
                 scan_rows(&tx, p, &t, &plan, |row| {
                     let k = extract(&row);
-                    if !range.contains(&k) {
+                    if !pred.holds(&k) {
                         return Ok(true);
                     }
                     if seen == n {
@@ -739,11 +768,13 @@ impl CdcSource for SimSource {
                 })?;
                 return Ok(found);
             }
-            let mut all: Vec<Key> = Vec::new();
+            // Not in index order (a heap, or keys that are not the index's
+            // leading columns): the (n+1)-th key by the sort keys' order.
+            let mut all: Vec<(Vec<u8>, Key)> = Vec::new();
             scan_rows(&tx, p, &t, &plan, |row| {
                 let k = extract(&row);
-                if range.contains(&k) {
-                    all.push(k);
+                if pred.holds(&k) {
+                    all.push((pred.sort_key(&k), k));
                 }
                 Ok(true)
             })?;
@@ -751,8 +782,8 @@ impl CdcSource for SimSource {
             if n >= all.len() {
                 return Ok(None);
             }
-            let (_, k, _) = all.select_nth_unstable_by(n, |a, b| key_cmp(a, b));
-            Ok(Some(k.clone()))
+            let (_, k, _) = all.select_nth_unstable_by(n, |a, b| a.0.cmp(&b.0));
+            Ok(Some(k.1.clone()))
         })
         .await
     }

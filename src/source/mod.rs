@@ -361,6 +361,11 @@ pub trait CdcSource: Send + Sync {
         isolation: Isolation,
     ) -> Result<Vec<(i64, u64)>, SourceError>;
 
+    /// The number of rows whose `key` column is NULL (`COUNT_BIG(*)` with
+    /// `[key] IS NULL`). An integer chunk plan counts them into its first
+    /// chunk, the one range that reads NULL keys; `slice_counts` never sees them.
+    async fn null_count(&self, table: &TableName, key: &str, isolation: Isolation) -> Result<u64, SourceError>;
+
     /// Reconcile's tier 1: per slice of one integer column over `[lo, hi]`
     /// (slice `i` holds `[lo + i*width, lo + (i+1)*width)`), the slice start,
     /// the row count and the exact sum of the column's values, for the
