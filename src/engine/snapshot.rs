@@ -36,7 +36,7 @@ use tokio::sync::mpsc;
 
 use super::Context;
 use crate::delta::bronze::{self, SnapshotStamp};
-use crate::delta::facts::{EVENT_BOOTSTRAP, EVENT_RESNAPSHOT, EVENT_RESNAPSHOT_FAILED, EVENT_SNAPSHOT_OPEN};
+use crate::delta::facts::{EVENT_BOOTSTRAP, EVENT_RESNAPSHOT_FAILED, EVENT_SNAPSHOT_OPEN};
 use crate::delta::{self, Appended, Txn};
 use crate::error::{StepError, StepResult};
 use crate::failpoint;
