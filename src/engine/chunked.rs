@@ -129,48 +129,78 @@ pub fn chunked_of_generation(rows: &[FactRow]) -> Option<Opened> {
 }
 
 /// A full snapshot that still holds the snapshot mode (adr-0028's
-/// Amendment): opened, not completed, in the current generation, without a
-/// chunked open beside it, and not yet passed by CDC cleanup (`min_lsn` of
-/// the capture instance): once cleanup passes its S it can never complete,
-/// and nobody can tell a dead run from a slow one before that.
+/// Amendment): opened for the current generation or a later one (a full
+/// re-snapshot is opened for generation n + 1 before it makes it live), not
+/// completed (a `bootstrap` or `resnapshot` row at or after its S, which also
+/// covers a newer attempt that superseded it), without a chunked open beside
+/// it in its generation, and not yet passed by CDC cleanup (`min_lsn` of the
+/// capture instance). Once cleanup passes its S it can never complete, and
+/// before that nobody can tell a dead run from a slow one: so a killed run's
+/// open holds the mode for the retention at most, never forever.
 pub fn full_holding_mode(rows: &[FactRow], min_lsn: Option<Lsn>) -> Option<Opened> {
     let generation = generation_of(rows);
-    let chunked_here = rows.iter().filter_map(opened_of).any(|o| o.mode == Mode::Chunked && o.generation == generation);
-    if chunked_here {
-        return None;
-    }
-    rows.iter()
-        .filter_map(opened_of)
-        .filter(|o| o.mode == Mode::Full && o.generation == generation && !is_completed(rows, o.s))
+    let opens: Vec<Opened> = rows.iter().filter_map(opened_of).collect();
+    let chunked_in = |g: i32| opens.iter().any(|o| o.mode == Mode::Chunked && o.generation == g);
+    opens
+        .iter()
+        .filter(|o| o.mode == Mode::Full && o.generation >= generation && !chunked_in(o.generation) && !is_completed(rows, o.s))
         .filter(|o| !min_lsn.is_some_and(|m| o.s.increment() < m))
         .max_by_key(|o| o.s)
+        .cloned()
+}
+
+/// The one snapshot that holds the snapshot mode now, of either mode: the
+/// chunked snapshot `backfill` works on, else a full one that may still be
+/// read ([`full_holding_mode`]). Every step that takes, opens or seeds a
+/// snapshot asks this one function (the stream's bootstrap and recovery,
+/// `snapshot`, `backfill`, `seed`), and `status` reports it
+/// (`engine::state::load` fills `open_snapshots` from it), so no step calls
+/// a snapshot open that another step would take over.
+pub fn snapshot_holding_mode(rows: &[FactRow], min_lsn: Option<Lsn>) -> Option<Opened> {
+    open_chunked(rows).or_else(|| full_holding_mode(rows, min_lsn))
 }
 
 /// A full open for generation `generation` (a re-snapshot taken for the next
 /// generation) that is not completed and not yet passed by cleanup: it may
 /// still be being read, so a chunked recovery must not start beside it.
 pub fn full_open_of(rows: &[FactRow], generation: i32, min_lsn: Option<Lsn>) -> Option<Opened> {
-    rows.iter()
-        .filter_map(opened_of)
-        .filter(|o| o.mode == Mode::Full && o.generation == generation && !is_completed(rows, o.s))
-        .filter(|o| !min_lsn.is_some_and(|m| o.s.increment() < m))
-        .max_by_key(|o| o.s)
+    full_holding_mode(rows, min_lsn).filter(|o| o.generation == generation)
+}
+
+/// What finishes an open snapshot, as a sentence naming the calls that do.
+/// A full bootstrap is finished by `snapshot`, which reads the table again at
+/// a newer S whose completion closes the old open; a full re-snapshot only by
+/// the recovery that opened it, which `stream` resumes (`snapshot` returns at
+/// once once generation 0 has its bootstrap). Either stops holding on its own
+/// once CDC cleanup passes its S.
+pub fn how_to_finish(open: &Opened) -> String {
+    match (open.mode, open.kind.as_str()) {
+        (Mode::Chunked, _) => "call `mssql-cdc --workflow FILE backfill` until it reports done: true".into(),
+        (Mode::Full, EVENT_RESNAPSHOT) => format!(
+            "with snapshot.mode = \"full\" and stream.on_data_loss = \"resnapshot\", call `mssql-cdc --workflow FILE stream` \
+             (add --resnapshot-interval-days 0 if its anti-loop guard stops it): it resumes the recovery and reads the table \
+             again for generation {}; or wait until CDC cleanup passes {}, after which it can never complete and holds nothing",
+            open.generation, open.s
+        ),
+        (Mode::Full, _) => format!(
+            "with snapshot.mode = \"full\", call `mssql-cdc --workflow FILE snapshot`: it reads the table again at a newer \
+             LSN, and its completion closes this open; or wait until CDC cleanup passes {}, after which it can never complete \
+             and holds nothing",
+            open.s
+        ),
+    }
 }
 
 /// The error for a step that finds the other mode's snapshot open.
 pub fn mode_conflict(open: &Opened, wanted: Mode) -> StepError {
-    let how = match open.mode {
-        Mode::Chunked => "call `mssql-cdc --workflow FILE backfill` until it reports done: true",
-        Mode::Full => "rerun it with snapshot.mode = \"full\" (`mssql-cdc --workflow FILE snapshot`, which reads the table again), \
-                       or wait until CDC cleanup passes its LSN",
-    };
     StepError::Config(format!(
         "a {} snapshot opened at {} (generation {}) is still open, and one run takes its snapshots in one mode: \
-         this {} step cannot start beside it. To finish it, {how}; then change snapshot.mode",
+         this {} step cannot start beside it. To finish it, {}; then change snapshot.mode",
         if open.mode == Mode::Full { "full" } else { "chunked" },
         open.s,
         open.generation,
         if wanted == Mode::Full { "full snapshot" } else { "chunked snapshot" },
+        how_to_finish(open),
     ))
 }
 

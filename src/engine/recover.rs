@@ -6,9 +6,20 @@
 //! batch ids from 0) and streams on from the snapshot's LSN S.
 //!
 //! Order (each write a commit with its txn, a failpoint after it):
-//! 1. **Reuse** a full re-snapshot of generation n + 1 already in bronze (a
-//!    crash after its commit, before its completion row) unless cleanup has
-//!    passed its S since.
+//! 1. **Reuse or retire** a full re-snapshot already in bronze for a
+//!    generation that is not live (a crash after its commit, before its
+//!    completion row). While cleanup has not passed its S it is completed
+//!    from the commit's metadata. Once cleanup has passed S its image can
+//!    never be continued (the changes right after S are gone), so it is a
+//!    failed attempt: a `resnapshot_failed` row records it once, it is never
+//!    completed, and the recovery goes on to take a new snapshot (the guard
+//!    below counts the failure, so it takes one only past the interval or
+//!    with `--resnapshot-interval-days 0`). Without this, every rerun would
+//!    find the same dead commit and stop. A full rerun takes the generation
+//!    after the dead one, because the dead commit holds that generation's
+//!    bronze key (`<app>#snapshot` + generation) and Delta would skip a second
+//!    append under it as already applied; a chunked rerun keys its rows by S
+//!    and opens the same generation, as adr-0018's Amendment 2 says.
 //! 2. **Anti-loop guard** ([`guard`], pure): a loss within
 //!    `resnapshot_interval_days` of an earlier recovery or of a failed
 //!    re-snapshot stops with exit 3 naming it. Times are the server's, as CDC
@@ -140,15 +151,10 @@ pub async fn position_time(ctx: &Context, st: &StreamState, position: Lsn) -> St
     Ok(rows.iter().filter(|r| r.max_lsn == Some(position)).find_map(|r| r.commit_ts))
 }
 
-/// Recovers the stream from `loss`: see the module docs for the order.
-pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_days: f64) -> StepResult<RecoveryResult> {
-    let app = ctx.workflow.app_id.clone();
-    let target = st.generation + 1;
-    let mode = ctx.workflow.snapshot.mode;
-    let rows = state::facts_rows(&ctx.facts, &app).await?;
-    let recorded = recovery_row(&rows, target).cloned();
-    tracing::warn!(position = %loss.position, min_lsn = %loss.min_lsn, generation = st.generation, target,
-        resumed = recorded.is_some(), "the changes after the stream's position were purged: recovering with a new snapshot");
+/// The gap a recovery for `target` closes: read back from its recovery row
+/// when one was written (a rerun), else measured now.
+async fn gap_of(ctx: &Context, st: &StreamState, rows: &[FactRow], target: i32, loss: Loss) -> StepResult<(Gap, Option<FactRow>)> {
+    let recorded = recovery_row(rows, target).cloned();
     let gap = match &recorded {
         Some(r) => Gap { lost_from_ts: r.lost_from_ts, lost_to_ts: r.lost_to_ts },
         None => Gap {
@@ -156,6 +162,59 @@ pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_d
             lost_to_ts: ctx.commit_time(loss.min_lsn).await?,
         },
     };
+    Ok((gap, recorded))
+}
+
+/// Recovers the stream from `loss`: see the module docs for the order.
+pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_days: f64) -> StepResult<RecoveryResult> {
+    let app = ctx.workflow.app_id.clone();
+    let mode = ctx.workflow.snapshot.mode;
+    let mut target = st.generation + 1;
+    let mut rows = state::facts_rows(&ctx.facts, &app).await?;
+    // 1. Reuse, or retire: a full re-snapshot bronze holds for a generation
+    // that is not live yet (the newest such commit; older ones were retired
+    // by earlier reruns).
+    let newest_full = snapshot::newest_full_generation(ctx).await?.filter(|g| *g >= target);
+    if let Some(c) = match newest_full {
+        Some(g) => snapshot::committed_full(ctx, g).await?,
+        None => None,
+    } {
+        let min = ctx.source.min_lsn(&ctx.instance.name).await?;
+        let max = ctx.source.max_lsn().await?;
+        if !snapshot::is_purged_after(c.s, min, max) {
+            let (gap, recorded) = gap_of(ctx, st, &rows, c.generation, loss).await?;
+            let done = snapshot::complete_committed(ctx, &c, EVENT_RESNAPSHOT, Some(gap)).await?;
+            return Ok(RecoveryResult {
+                from_generation: st.generation,
+                generation: c.generation,
+                mode: "full",
+                lost_after: recorded.as_ref().and_then(|r| r.min_lsn).unwrap_or(loss.position),
+                min_lsn: loss.min_lsn,
+                lost_from_ts: gap.lost_from_ts,
+                lost_to_ts: gap.lost_to_ts,
+                snapshot_lsn: done.snapshot_lsn,
+                rows: Some(done.rows),
+                resumed: true,
+            });
+        }
+        // Its image can never be continued: a failed attempt, recorded once
+        // (the guard below counts it), never completed. A full rerun cannot
+        // reuse the generation, whose bronze key the dead commit holds
+        // (Delta would skip the append), so it takes the next one; a chunked
+        // one keys its rows by S and opens the same generation, as
+        // adr-0018's Amendment 2 says.
+        if !snapshot::failure_recorded(&rows, c.generation, c.s) {
+            tracing::warn!(snapshot = %c.s, generation = c.generation, "a full re-snapshot committed to bronze but not completed was passed by CDC cleanup: recording it as failed");
+            snapshot::record_failed_row(ctx, c.generation, c.s, min, "its bronze commit is in, but CDC cleanup passed its LSN before its completion row was written").await?;
+            rows = state::facts_rows(&ctx.facts, &app).await?;
+        }
+        if mode == SnapshotMode::Full {
+            target = c.generation + 1;
+        }
+    }
+    let (gap, recorded) = gap_of(ctx, st, &rows, target, loss).await?;
+    tracing::warn!(position = %loss.position, min_lsn = %loss.min_lsn, generation = st.generation, target,
+        resumed = recorded.is_some(), "the changes after the stream's position were purged: recovering with a new snapshot");
     let lost_after = recorded.as_ref().and_then(|r| r.min_lsn).unwrap_or(loss.position);
     let mut result = RecoveryResult {
         from_generation: st.generation,
@@ -169,13 +228,6 @@ pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_d
         rows: None,
         resumed: recorded.is_some(),
     };
-    // 1. Reuse: a full re-snapshot of the target generation already in bronze.
-    if let Some(done) = snapshot::finish_committed(ctx, target, EVENT_RESNAPSHOT, Some(gap)).await? {
-        result.snapshot_lsn = done.snapshot_lsn;
-        result.rows = Some(done.rows);
-        result.resumed = true;
-        return Ok(result);
-    }
     // 2. The anti-loop guard, on the server's clock.
     let max = ctx.source.max_lsn().await?;
     let now = match max {

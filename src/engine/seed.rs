@@ -43,6 +43,7 @@ use futures::StreamExt;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use super::chunked::{Mode, Opened};
 use super::Context;
 use crate::delta::bronze::{self, SnapshotStamp};
 use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT};
@@ -139,8 +140,8 @@ pub enum SeedDecision {
     AboveMax { lsn: Lsn, max_lsn: Lsn },
     /// The capture job has recorded nothing yet (exit 75).
     NothingCaptured,
-    /// A snapshot is open (exit 2): finish it first.
-    SnapshotOpen(Vec<Lsn>),
+    /// A snapshot holds the snapshot mode (exit 2): finish it first.
+    SnapshotOpen(Opened),
     /// Another snapshot is there and no `--reseed` (exit 2).
     SnapshotPresent(WholeSnapshot),
     /// `--reseed` with a copy not newer than the newest snapshot (exit 2).
@@ -157,9 +158,17 @@ pub struct SeedInput {
     pub lsn: Option<Lsn>,
     /// The whole snapshots the target holds.
     pub snapshots: Vec<WholeSnapshot>,
-    /// Snapshot opens without a completion (full or chunked).
-    pub open_snapshots: Vec<Lsn>,
+    /// The snapshot that holds the snapshot mode
+    /// (`engine::chunked::snapshot_holding_mode`): a chunked one not complete,
+    /// or a full one that may still be read. A dead full open (cleanup passed
+    /// its S, or a later completion superseded it) is not one.
+    pub open_snapshot: Option<Opened>,
     pub generation: i32,
+    /// The highest generation whose full snapshot bronze holds under
+    /// `<app>#snapshot` (its txn version). A re-snapshot that died after that
+    /// commit, without its completion, has spent its generation's key: a
+    /// reseed takes the generation after it.
+    pub snapshot_txn_generation: Option<i32>,
     /// The stream's position when its generation has no snapshot (a stream start).
     pub position_without_snapshot: Option<Lsn>,
     pub min_lsn: Option<Lsn>,
@@ -193,8 +202,8 @@ pub fn decide(input: &SeedInput) -> SeedDecision {
         }
         (None, AsOf::Lsn(l)) => *l,
     };
-    if !input.open_snapshots.is_empty() {
-        return SeedDecision::SnapshotOpen(input.open_snapshots.clone());
+    if let Some(open) = &input.open_snapshot {
+        return SeedDecision::SnapshotOpen(open.clone());
     }
     let Some(max) = input.max_lsn else { return SeedDecision::NothingCaptured };
     if lsn > max {
@@ -208,13 +217,16 @@ pub fn decide(input: &SeedInput) -> SeedDecision {
         }
     }
     let newest = input.snapshots.iter().max_by_key(|s| s.lsn).cloned();
+    // A reseed's generation: the next one, past any whose snapshot key a dead
+    // re-snapshot spent (Delta would skip the append as already applied).
+    let next_generation = (input.generation + 1).max(input.snapshot_txn_generation.map_or(0, |g| g + 1));
     match (newest, input.reseed) {
         (Some(s), false) => SeedDecision::SnapshotPresent(s),
         (Some(s), true) if lsn <= s.lsn => SeedDecision::NotNewer { lsn, newest: s },
-        (Some(_), true) => SeedDecision::Write { lsn, generation: input.generation + 1 },
+        (Some(_), true) => SeedDecision::Write { lsn, generation: next_generation },
         (None, _) => match (input.position_without_snapshot, input.reseed) {
             (Some(p), false) => SeedDecision::StartedWithoutSnapshot(p),
-            (Some(_), true) => SeedDecision::Write { lsn, generation: input.generation + 1 },
+            (Some(_), true) => SeedDecision::Write { lsn, generation: next_generation },
             (None, _) => SeedDecision::Write { lsn, generation: input.generation },
         },
     }
@@ -259,12 +271,14 @@ pub async fn run(ctx: &mut Context, args: &SeedArgs) -> StepResult<SeedResult> {
     };
     let max_lsn = ctx.source.max_lsn().await?;
     let min_lsn = ctx.source.min_lsn(&ctx.instance.name).await?;
+    let snapshot_txn_generation = delta::txn_version(&ctx.bronze, &format!("{}#snapshot", ctx.workflow.app_id)).await?.map(|v| v as i32);
     let input = SeedInput {
         as_of: args.as_of.clone(),
         lsn,
         snapshots,
-        open_snapshots: st.open_snapshots.clone(),
+        open_snapshot: super::chunked::snapshot_holding_mode(&facts_rows, min_lsn),
         generation: st.generation,
+        snapshot_txn_generation,
         position_without_snapshot: if st.snapshot.is_none() { st.position() } else { None },
         min_lsn,
         max_lsn,
@@ -423,10 +437,12 @@ async fn refusal(ctx: &Context, as_of: &AsOf, d: SeedDecision) -> StepError {
             StepError::Temporary("the capture job has not recorded any LSN yet (max LSN is NULL): call seed again once it has run".into())
         }
         SeedDecision::SnapshotOpen(open) => StepError::Config(format!(
-            "a snapshot of this stream is open (started at {}) and not complete: finish it first (`mssql-cdc --workflow {wf} snapshot` \
-             completes a full one; a chunked one completes when `mssql-cdc --workflow {wf} backfill` reports done), then seed with --reseed if the copy is \
-             newer",
-            open.iter().map(|l| l.to_hex()).collect::<Vec<_>>().join(", ")
+            "a {} snapshot of this stream is open (started at {}, generation {}) and not complete: a seed beside it would put two \
+             snapshots in one run, so finish it first: {}; then seed with --reseed if the copy is newer",
+            if open.mode == Mode::Full { "full" } else { "chunked" },
+            open.s,
+            open.generation,
+            super::chunked::how_to_finish(&open).replace("--workflow FILE", &format!("--workflow {wf}"))
         )),
         SeedDecision::SnapshotPresent(s) => StepError::Config(format!(
             "the target already holds a snapshot at {}{}: a second seed would move the point downstream rebuilds start from. \
@@ -583,8 +599,9 @@ mod tests {
             as_of,
             lsn,
             snapshots: vec![],
-            open_snapshots: vec![],
+            open_snapshot: None,
             generation: 0,
+            snapshot_txn_generation: None,
             position_without_snapshot: None,
             min_lsn: Some(l(10)),
             max_lsn: Some(l(100)),
@@ -610,7 +627,7 @@ mod tests {
         i.min_lsn = Some(l(90));
         assert_eq!(decide(&i), SeedDecision::AlreadySeeded(snap(40, t(4, 59))));
         // A snapshot open does not hide the rerun either.
-        i.open_snapshots = vec![l(95)];
+        i.open_snapshot = Some(opened(95, Mode::Chunked));
         assert_eq!(decide(&i), SeedDecision::AlreadySeeded(snap(40, t(4, 59))));
     }
 
@@ -637,8 +654,8 @@ mod tests {
         i.max_lsn = None;
         assert_eq!(decide(&i), SeedDecision::NothingCaptured);
         let mut i = input(AsOf::Lsn(l(50)), Some(l(50)));
-        i.open_snapshots = vec![l(45)];
-        assert_eq!(decide(&i), SeedDecision::SnapshotOpen(vec![l(45)]));
+        i.open_snapshot = Some(opened(45, Mode::Full));
+        assert_eq!(decide(&i), SeedDecision::SnapshotOpen(opened(45, Mode::Full)));
         let mut i = input(AsOf::Lsn(l(50)), Some(l(50)));
         i.snapshots = vec![snap(30, t(4, 0))];
         assert_eq!(decide(&i), SeedDecision::SnapshotPresent(snap(30, t(4, 0))));
@@ -662,6 +679,19 @@ mod tests {
         i.position_without_snapshot = Some(l(60));
         i.reseed = true;
         assert_eq!(decide(&i), SeedDecision::Write { lsn: l(50), generation: 1 });
+        // A dead full re-snapshot committed bronze for generation 1 (and maybe 2)
+        // without completing: the reseed takes the generation after it.
+        let mut i = input(AsOf::Lsn(l(50)), Some(l(50)));
+        i.snapshots = vec![snap(30, t(4, 0))];
+        i.reseed = true;
+        i.snapshot_txn_generation = Some(2);
+        assert_eq!(decide(&i), SeedDecision::Write { lsn: l(50), generation: 3 });
+        i.snapshot_txn_generation = Some(0);
+        assert_eq!(decide(&i), SeedDecision::Write { lsn: l(50), generation: 1 });
+    }
+
+    fn opened(s: u128, mode: Mode) -> Opened {
+        Opened { s: l(s), generation: 0, mode, kind: EVENT_BOOTSTRAP.into() }
     }
 
     fn zone(name: &str) -> ServerZone {

@@ -11,7 +11,13 @@
 //!
 //! A crash after 2 finds the bronze txn on the rerun and writes 3 from the
 //! commit's metadata without reading the table again; a crash before 2 reads
-//! it again at a new S. The stream then continues from S.
+//! it again at a new S. The stream then continues from S. A re-snapshot's
+//! commit that CDC cleanup passed before 3 was written is never completed:
+//! `engine::recover` retires it as a failed attempt and takes a new one.
+//!
+//! The open row of 1 holds the snapshot mode until 3, or until cleanup passes
+//! its S (`engine::chunked::full_holding_mode`): a killed attempt blocks a
+//! chunked open or a seed for the retention at most.
 //!
 //! Before 2 commits, the read checks that CDC cleanup has not passed S (a
 //! read longer than the retention): such an image cannot be continued by the
@@ -30,7 +36,7 @@ use tokio::sync::mpsc;
 
 use super::Context;
 use crate::delta::bronze::{self, SnapshotStamp};
-use crate::delta::facts::{EVENT_BOOTSTRAP, EVENT_RESNAPSHOT, EVENT_RESNAPSHOT_FAILED, EVENT_SNAPSHOT_OPEN};
+use crate::delta::facts::{EVENT_BOOTSTRAP, EVENT_RESNAPSHOT_FAILED, EVENT_SNAPSHOT_OPEN};
 use crate::delta::{self, Appended, Txn};
 use crate::error::{StepError, StepResult};
 use crate::failpoint;
@@ -159,12 +165,20 @@ pub fn is_purged_after(s: Lsn, min_lsn: Option<Lsn>, max_lsn: Option<Lsn>) -> bo
     matches!((min_lsn, max_lsn), (Some(min), Some(max)) if max > s && s.increment() < min)
 }
 
-/// Completes a full snapshot of `generation` whose bronze commit is in but
-/// whose completion row is not (a crash between the two): writes the row from
-/// the commit's metadata, without reading the table again. None when bronze
-/// holds no such commit. A re-snapshot that cleanup has passed since is never
-/// completed (its image cannot be continued): that is a failed attempt.
-pub async fn finish_committed(ctx: &mut Context, generation: i32, kind: &str, gap: Option<Gap>) -> StepResult<Option<SnapshotResult>> {
+/// A full snapshot's bronze commit, as its metadata records it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommittedFull {
+    /// The generation it was taken for (its txn version under `<app>#snapshot`).
+    pub generation: i32,
+    pub bronze_version: i64,
+    pub s: Lsn,
+    pub rows: i64,
+}
+
+/// The full snapshot bronze holds for generation `generation` (txn
+/// `<app>#snapshot` at that version), from its commit's metadata. None when
+/// bronze holds none for it.
+pub async fn committed_full(ctx: &Context, generation: i32) -> StepResult<Option<CommittedFull>> {
     let snap_txn = txn_full_snapshot(&ctx.workflow.app_id, generation);
     let Some(found) = delta::txn_version(&ctx.bronze, &snap_txn.app_id).await? else { return Ok(None) };
     if found < snap_txn.version {
@@ -184,16 +198,31 @@ pub async fn finish_committed(ctx: &mut Context, generation: i32, kind: &str, ga
         StepError::Internal(format!("bronze commit {version} lacks its snapshot LSN"))
     })?;
     let rows = meta.get("rows").and_then(Value::as_i64).unwrap_or(0);
-    if kind == EVENT_RESNAPSHOT {
-        let min = ctx.source.min_lsn(&ctx.instance.name).await?;
-        let max = ctx.source.max_lsn().await?;
-        if is_purged_after(s, min, max) {
-            return Err(record_failed(ctx, generation, s, min, "its bronze commit is in, but CDC cleanup passed its LSN before its completion row was written").await);
-        }
-    }
-    tracing::warn!(snapshot = %s, generation, "bronze holds a full snapshot without its completion row (a crash between the two): writing it now");
-    write_completion(ctx, generation, kind, s, rows, Some(version), None, gap).await?;
-    Ok(Some(SnapshotResult { step: "snapshot", snapshot_lsn: s, rows, already_done: true, ranges: 0, duration_ms: 0 }))
+    Ok(Some(CommittedFull { generation, bronze_version: version, s, rows }))
+}
+
+/// The newest generation bronze holds a full snapshot commit for
+/// (`<app>#snapshot`'s txn version), if any.
+pub async fn newest_full_generation(ctx: &Context) -> StepResult<Option<i32>> {
+    Ok(delta::txn_version(&ctx.bronze, &format!("{}#snapshot", ctx.workflow.app_id)).await?.map(|v| v as i32))
+}
+
+/// Completes a full snapshot of `generation` whose bronze commit is in but
+/// whose completion row is not (a crash between the two): writes the row from
+/// the commit's metadata, without reading the table again. None when bronze
+/// holds no such commit. Callers that take re-snapshots check first that
+/// cleanup has not passed its S (see `engine::recover`): such an image is
+/// never completed.
+pub async fn finish_committed(ctx: &mut Context, generation: i32, kind: &str, gap: Option<Gap>) -> StepResult<Option<SnapshotResult>> {
+    let Some(c) = committed_full(ctx, generation).await? else { return Ok(None) };
+    complete_committed(ctx, &c, kind, gap).await.map(Some)
+}
+
+/// Writes the completion row of a committed full snapshot (see [`finish_committed`]).
+pub async fn complete_committed(ctx: &mut Context, c: &CommittedFull, kind: &str, gap: Option<Gap>) -> StepResult<SnapshotResult> {
+    tracing::warn!(snapshot = %c.s, generation = c.generation, "bronze holds a full snapshot without its completion row (a crash between the two): writing it now");
+    write_completion(ctx, c.generation, kind, c.s, c.rows, Some(c.bronze_version), None, gap).await?;
+    Ok(SnapshotResult { step: "snapshot", snapshot_lsn: c.s, rows: c.rows, already_done: true, ranges: 0, duration_ms: 0 })
 }
 
 /// Records a full snapshot that outlived the CDC retention (its own LSN was
@@ -201,6 +230,33 @@ pub async fn finish_committed(ctx: &mut Context, generation: i32, kind: &str, ga
 /// returns the error that stops the step. Nothing of it is in bronze's
 /// snapshot image: the read is not committed (or, after a crash, never completed).
 pub async fn record_failed(ctx: &mut Context, generation: i32, s: Lsn, min_lsn: Option<Lsn>, why: &str) -> StepError {
+    if let Err(e) = record_failed_row(ctx, generation, s, min_lsn, why).await {
+        return e;
+    }
+    failed_error(generation, s, why)
+}
+
+/// The error of a failed full re-snapshot: what happened and what to do.
+pub fn failed_error(generation: i32, s: Lsn, why: &str) -> StepError {
+    StepError::NeedsPerson(format!(
+        "the full snapshot at {s} for generation {generation} took longer than the CDC retention ({why}): the stream cannot \
+         go on from it. Read the table within the retention: set snapshot.mode = \"chunked\" (the stream reads the changes \
+         from S while backfill reads the chunks, so S cannot be purged) and rerun with --resnapshot-interval-days 0, which \
+         opens the same generation; or raise the CDC retention"
+    ))
+}
+
+/// Whether the facts already record the failure of the full snapshot at `s` for `generation`.
+pub fn failure_recorded(rows: &[crate::delta::facts::FactRow], generation: i32, s: Lsn) -> bool {
+    rows.iter().any(|r| {
+        r.event.as_deref() == Some(EVENT_RESNAPSHOT_FAILED)
+            && r.min_lsn == Some(s)
+            && r.detail.as_ref().and_then(|d| d.get("target_generation")).and_then(Value::as_i64) == Some(generation as i64)
+    })
+}
+
+/// Writes the `resnapshot_failed` row of the full snapshot at `s` for `generation`.
+pub async fn record_failed_row(ctx: &mut Context, generation: i32, s: Lsn, min_lsn: Option<Lsn>, why: &str) -> StepResult<()> {
     let mut row = ctx.fact_row(generation.saturating_sub(1).max(0));
     row.event = Some(EVENT_RESNAPSHOT_FAILED.into());
     row.min_lsn = Some(s);
@@ -220,15 +276,7 @@ pub async fn record_failed(ctx: &mut Context, generation: i32, s: Lsn, min_lsn: 
         None => None,
     };
     row.detail = Some(json!({"mode": "full", "target_generation": generation, "reason": why, "failed_at": Utc::now()}));
-    if let Err(e) = super::stream::append_facts_untracked(ctx, vec![row]).await {
-        return e;
-    }
-    StepError::NeedsPerson(format!(
-        "the full snapshot at {s} for generation {generation} took longer than the CDC retention ({why}): the stream cannot \
-         go on from it. Read the table within the retention: set snapshot.mode = \"chunked\" (the stream reads the changes \
-         from S while backfill reads the chunks, so S cannot be purged) and rerun with --resnapshot-interval-days 0, which \
-         opens the same generation; or raise the CDC retention"
-    ))
+    super::stream::append_facts_untracked(ctx, vec![row]).await
 }
 
 /// Takes a full snapshot for `generation`: the open row, the read of the

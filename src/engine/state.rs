@@ -7,7 +7,12 @@
 //! - the position is the newest batch's `max_lsn` in that generation, or the
 //!   generation's start (its snapshot's S, or the recorded stream start);
 //! - a bronze txn version above the newest facts batch means a crash between
-//!   the two commits: that batch's facts row must be repaired first.
+//!   the two commits: that batch's facts row must be repaired first;
+//! - the open snapshot is the one that holds the snapshot mode
+//!   (`engine::chunked::snapshot_holding_mode`, the rule every step uses). A
+//!   full open stops holding once CDC cleanup passes its S, which only the
+//!   source knows: [`load`] passes the capture instance's min LSN, and
+//!   [`StreamState::derive`] alone (no source) counts no open as passed.
 
 use serde::Serialize;
 
@@ -36,15 +41,26 @@ pub struct StreamState {
     pub last_batch: Option<FactRow>,
     /// The newest batch id bronze holds for this generation's app id.
     pub bronze_batch: Option<i64>,
-    /// Full snapshot opens without a completion yet (their S).
+    /// The S of the snapshot that holds the snapshot mode, if one does (at
+    /// most one): a chunked open not completed yet, or a full open that may
+    /// still be read. A dead full open (cleanup passed its S, or a later
+    /// completion superseded it) is not listed: no step can finish it and
+    /// none waits for it.
     pub open_snapshots: Vec<Lsn>,
 }
 
 impl StreamState {
     /// Derives the state from this app id's facts rows and bronze's txn
     /// version for the generation's app id (looked up by the caller, who
-    /// first needs the generation: see [`generation_of`]).
+    /// first needs the generation: see [`generation_of`]), not knowing where
+    /// CDC cleanup is (see [`StreamState::derive_with_cleanup`]).
     pub fn derive(app_id: &str, rows: &[FactRow], bronze_batch: Option<i64>) -> StreamState {
+        Self::derive_with_cleanup(app_id, rows, bronze_batch, None)
+    }
+
+    /// [`StreamState::derive`] with the capture instance's min LSN, so that a
+    /// full open cleanup has passed no longer counts as open.
+    pub fn derive_with_cleanup(app_id: &str, rows: &[FactRow], bronze_batch: Option<i64>, min_lsn: Option<Lsn>) -> StreamState {
         let generation = generation_of(rows);
         let in_gen = |r: &&FactRow| r.generation == generation;
         let snapshot = rows
@@ -67,19 +83,7 @@ impl StreamState {
             .filter(|r| r.event.is_none() && r.batch_id.is_some())
             .max_by_key(|r| r.batch_id)
             .cloned();
-        let completed: Vec<Lsn> = rows
-            .iter()
-            .filter(|r| matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT)))
-            .filter_map(|r| r.max_lsn)
-            .collect();
-        let mut open_snapshots: Vec<Lsn> = rows
-            .iter()
-            .filter(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_OPEN))
-            .filter_map(|r| r.min_lsn)
-            .filter(|s| !completed.iter().any(|c| c >= s))
-            .collect();
-        open_snapshots.sort();
-        open_snapshots.dedup();
+        let open_snapshots: Vec<Lsn> = super::chunked::snapshot_holding_mode(rows, min_lsn).map(|o| o.s).into_iter().collect();
         StreamState {
             generation,
             generation_app_id: super::generation_app_id(app_id, generation),
@@ -150,7 +154,8 @@ pub async fn load(ctx: &mut super::Context) -> StepResult<StreamState> {
     let generation = generation_of(&rows);
     let gen_app = super::generation_app_id(&ctx.workflow.app_id, generation);
     let bronze_batch = delta::txn_version(&ctx.bronze, &gen_app).await?;
-    Ok(StreamState::derive(&ctx.workflow.app_id, &rows, bronze_batch))
+    let min_lsn = ctx.source.min_lsn(&ctx.instance.name).await?;
+    Ok(StreamState::derive_with_cleanup(&ctx.workflow.app_id, &rows, bronze_batch, min_lsn))
 }
 
 #[cfg(test)]
@@ -179,7 +184,7 @@ mod tests {
 
     #[test]
     fn position_is_newest_batch_else_snapshot() {
-        let rows = vec![event(0, EVENT_SNAPSHOT_OPEN, 10), event(0, EVENT_BOOTSTRAP, 10)];
+        let rows = vec![full_open(0, 10, EVENT_BOOTSTRAP), event(0, EVENT_BOOTSTRAP, 10)];
         let s = StreamState::derive("a", &rows, None);
         assert_eq!(s.position(), Some(lsn(10)));
         assert!(s.open_snapshots.is_empty());
@@ -202,11 +207,27 @@ mod tests {
         assert_eq!(s.batch_to_repair(), Some(0));
     }
 
+    fn full_open(gen: i32, at: u128, kind: &str) -> FactRow {
+        let mut r = event(gen, EVENT_SNAPSHOT_OPEN, at);
+        r.detail = Some(serde_json::json!({"mode": "full", "kind": kind}));
+        r
+    }
+
     #[test]
-    fn an_open_without_completion_stays_open() {
-        let s = StreamState::derive("a", &[event(0, EVENT_SNAPSHOT_OPEN, 10)], None);
+    fn an_open_without_completion_stays_open_until_cleanup_passes_it() {
+        let s = StreamState::derive("a", &[full_open(0, 10, EVENT_BOOTSTRAP)], None);
         assert_eq!(s.open_snapshots, vec![lsn(10)]);
         assert_eq!(s.position(), None);
+        // Cleanup at 11 still holds the changes right after S = 10: it may still complete.
+        let s = StreamState::derive_with_cleanup("a", &[full_open(0, 10, EVENT_BOOTSTRAP)], None, Some(lsn(11)));
+        assert_eq!(s.open_snapshots, vec![lsn(10)]);
+        // Cleanup at 12 purged 11: a killed run's open holds nothing any more.
+        let s = StreamState::derive_with_cleanup("a", &[full_open(0, 10, EVENT_BOOTSTRAP)], None, Some(lsn(12)));
+        assert!(s.open_snapshots.is_empty(), "{:?}", s.open_snapshots);
+        // A full re-snapshot's open for generation 1 holds while it may be read, not once passed.
+        let rows = vec![event(0, EVENT_BOOTSTRAP, 5), batch(0, 0, 20), full_open(1, 30, EVENT_RESNAPSHOT)];
+        assert_eq!(StreamState::derive_with_cleanup("a", &rows, Some(0), Some(lsn(25))).open_snapshots, vec![lsn(30)]);
+        assert!(StreamState::derive_with_cleanup("a", &rows, Some(0), Some(lsn(40))).open_snapshots.is_empty());
     }
 
     #[test]

@@ -8,6 +8,24 @@
 //! version ahead of the facts and writes the missing row from the commit's
 //! metadata before reading anything, so the position never moves back and no
 //! change is written twice.
+//!
+//! `on_data_loss = "skip"` is refused while the generation's chunked snapshot
+//! is still open. A chunked snapshot is only right because bronze holds every
+//! change after its S without a gap (adr-0028's P3): a chunk row stamped L is
+//! corrected by the changes after L that the stream wrote. A skip breaks that
+//! premise for every chunk read after the gap's changes were made, and the
+//! records say such a snapshot is abandoned and a newer one supersedes it
+//! (adr-0028, Consequences). Skipping and letting `backfill` complete it
+//! would hand silver a `bootstrap`/`resnapshot` row over an image that may
+//! keep deleted keys or old values, with nothing in the facts to tell. Marking
+//! it failed after the skip would strand the stream instead: the skip leaves
+//! no loss for a later call to recover from, and a generation opens one
+//! chunked snapshot only. So the stream stops before the batch (exit 3,
+//! nothing written) and says what supersedes the snapshot: a recovery
+//! (`on_data_loss = "resnapshot"`) that opens a new chunked snapshot in the
+//! next generation. The same holds for cleanup found during a read (a
+//! possible loss): the batch is not committed. Once no chunked snapshot is
+//! open, skips go on as adr-0018's Amendment 3 describes.
 
 use std::time::Instant;
 
@@ -176,6 +194,9 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
                     result.source_max_lsn = max;
                     continue;
                 }
+                OnDataLoss::Skip if open_chunked_snapshot(&st).is_some() => {
+                    return Err(skip_refused(ctx, &st, position, next, min_lsn).await);
+                }
                 OnDataLoss::Skip => {
                     let to_max = max.map_or(min_lsn, |m| m.max(min_lsn));
                     let lost_from_ts = super::recover::position_time(ctx, &st, position).await?;
@@ -206,6 +227,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
                 // Nothing of the batch was committed; the guard at the top of
                 // the loop finds the loss again and recovers.
                 OnDataLoss::Resnapshot if result.recovery.is_none() => continue,
+                OnDataLoss::Skip => return Err(skip_refused(ctx, &st, from.decrement(), from, min_lsn).await),
                 _ => return Err(data_loss(ctx, from.decrement(), from, min_lsn).await),
             },
         }
@@ -283,6 +305,41 @@ pub async fn data_loss(ctx: &Context, position: Lsn, next: Lsn, min_lsn: Lsn) ->
                   decides), and raise the CDC retention or run the stream more often."
                 .into(),
         },
+    }
+}
+
+/// The S of the generation's chunked snapshot while it is open (no
+/// completion at or after S yet): the stream must not skip past a gap then.
+pub fn open_chunked_snapshot(st: &StreamState) -> Option<Lsn> {
+    st.chunked_start.filter(|s| !st.snapshot.is_some_and(|c| c >= *s))
+}
+
+/// The error for a skip refused while a chunked snapshot is open (see the
+/// module docs): what was lost, why the skip would break the snapshot, and
+/// the call that supersedes it.
+async fn skip_refused(ctx: &Context, st: &StreamState, position: Lsn, next: Lsn, min_lsn: Lsn) -> StepError {
+    let s = open_chunked_snapshot(st).map(|s| s.to_hex()).unwrap_or_default();
+    let wf = ctx.workflow.path.display();
+    let err = data_loss(ctx, position, next, min_lsn).await;
+    match err {
+        StepError::DataLoss { capture_instance, position, next, min_lsn, times, .. } => StepError::DataLoss {
+            capture_instance,
+            position,
+            next,
+            min_lsn,
+            times,
+            advice: format!(
+                "stream.on_data_loss = \"skip\" was not applied, and nothing was written: the chunked snapshot opened at {s} \
+                 (generation {}) is still being read, and its chunks are only right with every change after {s} in bronze. \
+                 Skipping the gap would let backfill complete it over the lost changes. Set stream.on_data_loss = \"resnapshot\" \
+                 and call `mssql-cdc --workflow {wf} stream` (add --resnapshot-interval-days 0 if its anti-loop guard stops \
+                 it): it opens a new chunked snapshot in generation {} that supersedes this one, then `backfill` reads it; \
+                 \"skip\" may be set again once that snapshot is complete.",
+                st.generation,
+                st.generation + 1
+            ),
+        },
+        other => other,
     }
 }
 
@@ -435,7 +492,7 @@ async fn run_batch(
     // Cleanup may have run during the read: rows of the range could be gone.
     if let Some(min) = ctx.source.min_lsn(&ctx.instance.name).await? {
         if from < min {
-            if ctx.workflow.stream.on_data_loss != OnDataLoss::Skip {
+            if ctx.workflow.stream.on_data_loss != OnDataLoss::Skip || open_chunked_snapshot(st).is_some() {
                 return Ok(BatchOutcome::PurgedDuringRead { min_lsn: min });
             }
             tracing::warn!(from = %from, min_lsn = %min, "CDC cleanup ran during the read: rows of the range may be missing; recording a possible loss");
