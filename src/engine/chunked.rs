@@ -38,6 +38,13 @@
 //! wave's commits start only after the previous ones finished, so bronze
 //! takes waves in order and at most the last committed wave can lack its
 //! facts rows after a crash, which the next call rebuilds first.
+//!
+//! Capture-instance switches: chunks are read with the columns of the
+//! instance the stream is on (as the facts record it), and a wave whose stamp
+//! is at or past a newer instance's start pauses (exit 75) until the stream
+//! has switched to it and bronze has its columns; `engine::switch` argues why
+//! neither the newest instance's columns nor the older ones read past that
+//! start keep bronze's latest image equal to the table.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
