@@ -279,6 +279,26 @@ pub async fn open_tables(ctx: &Context) -> StepResult<(DeltaTable, DeltaTable)> 
     Ok((s, c))
 }
 
+/// Silver gains the columns of the stream's capture instance it lacks (a
+/// Delta schema change before the MERGE, which a rerun finds made). The
+/// stream's instance is the one the rows this call applies were read under
+/// (`engine::switch`): a column it added is NULL in every row silver holds,
+/// as it is in bronze's images of those rows, until the rows that carry it
+/// are merged. Columns an instance dropped stay, like bronze's.
+pub async fn gain_added_columns(ctx: &Context, silver_table: &mut DeltaTable) -> StepResult<()> {
+    let label = ctx.workflow.target.silver.clone().unwrap_or_default();
+    let snapshot = silver_table.snapshot().map_err(StepError::delta(&label))?;
+    let existing: Vec<String> = snapshot.schema().fields().map(|f| f.name().to_lowercase()).collect();
+    let wanted = delta::commented_schema(TableKind::Silver, &silver::schema(&ctx.instance.columns))?;
+    let added: Vec<deltalake::kernel::StructField> = wanted.fields().filter(|f| !existing.contains(&f.name().to_lowercase())).cloned().collect();
+    if added.is_empty() {
+        return Ok(());
+    }
+    tracing::info!(columns = ?added.iter().map(|f| f.name().to_string()).collect::<Vec<_>>(), instance = %ctx.instance.name, "silver gains the columns the stream's capture instance added");
+    *silver_table = silver_table.clone().add_columns().with_fields(added).await.map_err(StepError::delta(&label))?;
+    Ok(())
+}
+
 /// This app id's control rows, oldest first.
 pub async fn control_rows(table: &mut DeltaTable, app: &str) -> StepResult<Vec<ControlRow>> {
     table.update_state().await.map_err(StepError::delta(table.table_url().to_string()))?;
@@ -569,9 +589,11 @@ async fn plan_rows(ctx: &Context, app: &str, s: Lsn) -> StepResult<Vec<PlanRow>>
 
 /// The `apply` step.
 pub async fn run(ctx: &mut Context) -> StepResult<ApplyResult> {
+    super::switch::follow_stream(ctx).await?;
     let keys = silver_keys(ctx)?;
     let app = ctx.workflow.app_id.clone();
     let (mut silver_table, mut control_table) = open_tables(ctx).await?;
+    gain_added_columns(ctx, &mut silver_table).await?;
     let mut last = last_control(&mut control_table, &app).await?;
     let repaired = repair(&app, &mut silver_table, &mut control_table, last.as_ref()).await?;
     if repaired {

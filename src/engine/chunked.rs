@@ -38,6 +38,13 @@
 //! wave's commits start only after the previous ones finished, so bronze
 //! takes waves in order and at most the last committed wave can lack its
 //! facts rows after a crash, which the next call rebuilds first.
+//!
+//! Capture-instance switches: chunks are read with the columns of the
+//! instance the stream is on (as the facts record it), and a wave whose stamp
+//! is at or past a newer instance's start pauses (exit 75) until the stream
+//! has switched to it and bronze has its columns; `engine::switch` argues why
+//! neither the newest instance's columns nor the older ones read past that
+//! start keep bronze's latest image equal to the table.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
@@ -883,6 +890,10 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
     let app = ctx.workflow.app_id.clone();
     let mut result = BackfillResult { step: "backfill", ..Default::default() };
     ctx.facts.update_state().await.map_err(StepError::delta(&ctx.workflow.target.facts))?;
+    // Chunks are read with the columns of the instance the stream is on
+    // (engine::switch's module docs argue why, and why a wave past a newer
+    // instance's start waits for the stream).
+    let instances = super::switch::follow_stream(ctx).await?;
     let mut rows = state::facts_rows(&ctx.facts, &app).await?;
     let min = ctx.source.min_lsn(&ctx.instance.name).await?;
     if let Some(full) = full_holding_mode(&rows, min) {
@@ -1059,6 +1070,8 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         generation: o.generation,
         zone: ctx.zone.clone(),
         s: o.s,
+        stream_instance: ctx.instance.clone(),
+        instances,
     }));
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<ReadEvent>();
     let reader = ChunkReader {
@@ -1231,6 +1244,10 @@ struct Coordinator {
     generation: i32,
     zone: crate::source::ServerZone,
     s: Lsn,
+    /// The instance the stream is on: the chunks' columns.
+    stream_instance: crate::source::CaptureInstance,
+    /// The table's instances when the call started (empty when the workflow pins one).
+    instances: Vec<crate::source::CaptureInstance>,
 }
 
 impl Coordinator {
@@ -1287,6 +1304,23 @@ impl Coordinator {
                  a chunk stamped below S could miss commits the stream does not have. Read from the server S came from",
                 self.s
             )));
+        }
+        if let Some(newer) = super::switch::waits_for_switch(stamp, &self.stream_instance, &self.instances) {
+            // The chunks go back unread: stamped here, read with the stream's
+            // columns, they would outrank the newer instance's changes up to
+            // the stamp without the columns those changes carry.
+            for c in chunks.into_iter().rev() {
+                self.pending.push_front(c);
+            }
+            self.paused = true;
+            self.stop_reason = Some(format!(
+                "paused: the wave's stamp {stamp} is past the start {} of capture instance '{}', which the stream (on '{}') has \
+                 not switched to yet; run the stream step, then call backfill again",
+                newer.start_lsn.map(|l| l.to_string()).unwrap_or_default(),
+                newer.name,
+                self.stream_instance.name
+            ));
+            return Ok(None);
         }
         let stamp_ts = self.keys.source.lsn_to_time(stamp).await?.map(|l| self.zone.to_utc(l));
         let wave = self.next_wave;

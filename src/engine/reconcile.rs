@@ -292,6 +292,17 @@ fn add_rows(side: &mut Side, batch: &RecordBatch, columns: &[ColumnDesc], key_id
     }
 }
 
+/// The quoted names of the compared columns silver holds. A column the
+/// stream's capture instance added that silver has not gained yet (no
+/// `apply` since the switch) is left out and compares as NULL: the keys
+/// whose values in it silver lacks changed in bronze after silver's applied
+/// LSN, so they are IN_FLIGHT, and every other key holds NULL in it.
+fn columns_silver_holds(silver_table: &DeltaTable, columns: &[ColumnDesc]) -> StepResult<Vec<String>> {
+    let snapshot = silver_table.snapshot().map_err(StepError::delta(silver_table.table_url().to_string()))?;
+    let held: Vec<String> = snapshot.schema().fields().map(|f| f.name().to_lowercase()).collect();
+    Ok(columns.iter().filter(|c| held.contains(&c.name.to_lowercase())).map(|c| ident(&c.name)).collect())
+}
+
 /// A SQL predicate over silver for a tier 2 range of one integer key.
 fn range_sql(key: &str, range: &KeyRange) -> String {
     let k = ident(key);
@@ -406,6 +417,7 @@ async fn chunk_checks(ctx: &Context, facts: &[FactRow]) -> StepResult<(Option<Ls
 
 /// The `reconcile` step.
 pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
+    super::switch::follow_stream(ctx).await?;
     let keys = apply::silver_keys(ctx)?;
     let app = ctx.workflow.app_id.clone();
     let silver_loc = ctx.workflow.silver_location("reconcile")?;
@@ -530,7 +542,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         while let Some(b) = stream.next().await {
             add_rows(&mut source_side, &b?, &columns, &key_idx, true);
         }
-        let cols: Vec<String> = columns.iter().map(|c| ident(&c.name)).collect();
+        let cols = columns_silver_holds(&silver_table, &columns)?;
         let filter = if integer { range_sql(&keys[0].name, range) } else { "TRUE".into() };
         let mut target_side = Side::new();
         let mut stream = delta::query_stream(&silver_table, &format!("SELECT {} FROM t WHERE {filter}", cols.join(", "))).await?;

@@ -254,6 +254,9 @@ pub fn mapping_time(zone: &ServerZone, as_of: DateTime<Utc>) -> NaiveDateTime {
 /// Runs the `seed` step.
 pub async fn run(ctx: &mut Context, args: &SeedArgs) -> StepResult<SeedResult> {
     let started = Instant::now();
+    // The copy is fitted to the columns of the instance the stream is on
+    // (bronze's), never a newer one the stream has not switched to.
+    super::switch::follow_stream(ctx).await?;
     let mut facts_rows = super::state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
     if finish_interrupted_seed(ctx, &facts_rows).await? {
         facts_rows = super::state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;

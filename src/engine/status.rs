@@ -1,4 +1,11 @@
 //! The `status` step: the stream's state as JSON, read-only.
+//!
+//! It reports the capture instance the stream is on (the facts say which,
+//! `engine::switch::follow_stream`), not the newest one: the position, the
+//! min LSN and so the headroom are that instance's, the one whose cleanup
+//! can pass the stream. `capture_instances` lists the table's instances with
+//! their start LSNs (empty when the workflow pins one), so a newer instance
+//! the stream has not reached yet shows beside it.
 
 use serde_json::{json, Value};
 
@@ -7,6 +14,7 @@ use crate::error::StepResult;
 
 /// Reads the stream's state and the source's bounds; writes nothing.
 pub async fn run(ctx: &mut Context) -> StepResult<Value> {
+    let instances = super::switch::follow_stream(ctx).await?;
     let st = super::state::load(ctx).await?;
     let max = ctx.source.max_lsn().await?;
     let min = ctx.source.min_lsn(&ctx.instance.name).await?;
@@ -37,6 +45,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<Value> {
         "app_id": ctx.workflow.app_id,
         "table": ctx.workflow.table_name().to_string(),
         "capture_instance": ctx.instance.name,
+        "capture_instances": instances.iter().map(|i| json!({"name": i.name, "start_lsn": i.start_lsn})).collect::<Vec<_>>(),
         "generation": st.generation,
         "generation_app_id": st.generation_app_id,
         "position": position,

@@ -142,7 +142,10 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
     let mut instances = Vec::new();
     if follow_instances {
         instances = ctx.source.capture_instances(&ctx.workflow.table_name()).await?;
-        let recorded = st.last_batch.as_ref().and_then(|b| b.capture_instance.clone());
+        // The newest batch's instance, or before the generation's first
+        // batch the one its start row names (never the newest by default:
+        // a newer instance starts after the stream's position).
+        let recorded = super::switch::recorded_instance(&state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?);
         ctx.instance = super::switch::current(recorded.as_deref(), &instances, &ctx.instance).clone();
     }
     // The call reads up to the max LSN it found when it started: a writer that

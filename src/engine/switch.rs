@@ -17,10 +17,59 @@
 //! bronze, NULL from then on. An older instance dropped before the stream
 //! reached the newer one's start leaves a gap the retention guard reports
 //! like any purge (the newer instance's min LSN is past the position).
+//!
+//! # Every step follows the stream's instance
+//!
+//! `Context::open` picks the newest instance, but only the stream moves from
+//! one instance to the next, in LSN order, and bronze gains columns at that
+//! move. Every other step ([`follow_stream`]: `backfill`, `apply`,
+//! `reconcile`, `status`, `seed`) reads the instance the stream is on from
+//! the facts ([`recorded_instance`]): the newest batch's row of the current
+//! generation, or, before the generation's first batch, the row that started
+//! it (its chunked open, bootstrap, re-snapshot, seed or recorded start),
+//! which names the instance the stream reads from there. The newest instance
+//! is wrong for them whenever the stream has not reached its start LSN yet:
+//! its columns are not in bronze, and rows read with them either lose them
+//! (bronze's schema drops what it lacks) or outrun the stream's own order.
+//!
+//! What that means per step:
+//! - `backfill` reads chunks with the stream's instance's columns. A wave
+//!   whose stamp L is at or past a newer instance's start (the point where
+//!   the stream itself would switch, [`plan`]) is not read until the stream
+//!   has switched: it pauses (exit 75) instead, like the headroom pause. Read
+//!   with the older columns, such a chunk row would lack the added column
+//!   while ranking above the newer instance's changes up to L, the only rows
+//!   that carry that column's values: bronze's latest image would then hold
+//!   NULL where the table holds a value. Read with the newer columns, it
+//!   would need bronze to gain them ahead of the stream (out of order, and
+//!   `apply` would merge rows whose columns silver does not follow yet).
+//!   After the switch the stream's instance is the newer one and bronze has
+//!   its columns, so the wave reads them all ([`waits_for_switch`]).
+//! - Chunks read before the switch keep the older columns. Their keys get
+//!   the added column's values from the newer instance's changes, which all
+//!   rank above those chunks (their stamps are below its start LSN), so
+//!   bronze's latest image is the table's for every key a change touched
+//!   after that start. A key untouched since keeps NULL in the added column,
+//!   which is the table's value when the column was added without a default
+//!   (the simulator's only kind). A column added with a default, or set
+//!   between the `ALTER TABLE` and the new instance's start, is in no change
+//!   row of either instance: no rule over bronze's rows can recover it, for
+//!   chunks and completed snapshots alike. Only a snapshot read after the
+//!   switch can (adr-0028 Amendment 5, `snapshot_on_switch`, not built yet).
+//! - `apply` merges with the stream's instance's columns, and silver gains
+//!   an added column (NULL in the rows it holds, which is bronze's image of
+//!   them too) in the call that first applies rows read under that instance.
+//! - `reconcile` compares the stream's instance's columns; a column silver
+//!   has not gained yet compares as NULL there, and the keys whose values
+//!   it lacks are in bronze after silver's applied LSN: IN_FLIGHT.
+//! - `status` reports the stream's instance and its min LSN (its headroom);
+//!   `seed` fits the copy to the stream's instance's columns, the ones
+//!   bronze holds.
 
 use deltalake::kernel::StructField;
 use serde_json::json;
 
+use super::state::{self, generation_of, makes_generation_live};
 use super::Context;
 use crate::delta::facts::{FactRow, EVENT_CAPTURE_INSTANCE_SWITCHED, EVENT_SCHEMA_CHANGE};
 use crate::delta::{self, bronze, TableKind};
@@ -63,6 +112,46 @@ pub fn plan(position: Lsn, current: &CaptureInstance, instances: &[CaptureInstan
 /// batch read, while it exists; else the one the context picked.
 pub fn current<'a>(recorded: Option<&str>, instances: &'a [CaptureInstance], picked: &'a CaptureInstance) -> &'a CaptureInstance {
     recorded.and_then(|name| instances.iter().find(|i| i.name.eq_ignore_ascii_case(name))).unwrap_or(picked)
+}
+
+/// The instance the facts say the stream is on: the newest batch's of the
+/// current generation, else the one the row that made the generation live
+/// names (a batch never crosses a switch, and a generation's first batch
+/// reads the instance its start recorded). None for a stream with no row.
+pub fn recorded_instance(rows: &[FactRow]) -> Option<String> {
+    let generation = generation_of(rows);
+    let in_gen = |r: &&FactRow| r.generation == generation && r.capture_instance.is_some();
+    let newest_batch = rows.iter().filter(in_gen).filter(|r| r.event.is_none() && r.batch_id.is_some()).max_by_key(|r| r.batch_id);
+    let start = || rows.iter().filter(in_gen).filter(|r| r.event.is_some() && makes_generation_live(r)).max_by_key(|r| r.max_lsn);
+    newest_batch.or_else(start).and_then(|r| r.capture_instance.clone())
+}
+
+/// Points `ctx.instance` at the instance the stream is on (see the module
+/// docs), unless the workflow pins one. Returns the table's instances as the
+/// source lists them now (empty when pinned: a pinned stream never switches).
+pub async fn follow_stream(ctx: &mut Context) -> StepResult<Vec<CaptureInstance>> {
+    if ctx.workflow.table.capture_instance.is_some() {
+        return Ok(Vec::new());
+    }
+    let instances = ctx.source.capture_instances(&ctx.workflow.table_name()).await?;
+    let rows = state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
+    let recorded = recorded_instance(&rows);
+    let on = current(recorded.as_deref(), &instances, &ctx.instance).clone();
+    if on.name != ctx.instance.name {
+        tracing::info!(stream = %on.name, newest = %ctx.instance.name, "following the capture instance the stream is on, not the newest");
+    }
+    ctx.instance = on;
+    Ok(instances)
+}
+
+/// The newer instance a chunk stamped `stamp` must wait for: the stream,
+/// on `on`, switches to it at or before `stamp` but has not yet. None when
+/// the stream's instance is the one it reads at `stamp`.
+pub fn waits_for_switch(stamp: Lsn, on: &CaptureInstance, instances: &[CaptureInstance]) -> Option<CaptureInstance> {
+    match plan(stamp, on, instances) {
+        InstancePlan::Switch { to } => Some(to),
+        InstancePlan::Stay { .. } => None,
+    }
 }
 
 /// Columns added and dropped between two instances (names only: facts hold no values).
@@ -152,6 +241,57 @@ mod tests {
         assert_eq!(plan(Lsn::from_u128(70), &new, &all), InstancePlan::Stay { upto: None });
         assert_eq!(column_changes(&old, &new), (vec!["b".to_string()], vec![]));
         assert_eq!(column_changes(&new, &old), (vec![], vec!["b".to_string()]));
+    }
+
+    fn fact(gen: i32, event: Option<&str>, batch: Option<i64>, instance: &str, lsn: u128) -> FactRow {
+        FactRow {
+            app_id: "a".into(),
+            generation: gen,
+            event: event.map(str::to_string),
+            batch_id: batch,
+            capture_instance: Some(instance.into()),
+            min_lsn: Some(Lsn::from_u128(lsn)),
+            max_lsn: Some(Lsn::from_u128(lsn)),
+            detail: event.map(|_| json!({"mode": "chunked"})),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_stream_is_on_its_newest_batchs_instance_else_its_generations_start() {
+        use crate::delta::facts::{EVENT_BOOTSTRAP, EVENT_SNAPSHOT_OPEN};
+        assert_eq!(recorded_instance(&[]), None);
+        // Before the first batch: the chunked open that started the generation.
+        let open = fact(0, Some(EVENT_SNAPSHOT_OPEN), None, "v1", 10);
+        assert_eq!(recorded_instance(&[open.clone()]).as_deref(), Some("v1"));
+        // A batch switched (its event rows name the new instance, and so does its batch row).
+        let rows = vec![
+            open.clone(),
+            fact(0, None, Some(0), "v1", 20),
+            fact(0, None, Some(1), "v2", 60),
+            fact(0, Some(EVENT_CAPTURE_INSTANCE_SWITCHED), Some(1), "v2", 50),
+        ];
+        assert_eq!(recorded_instance(&rows).as_deref(), Some("v2"));
+        // Rows that do not start a generation never name the stream's instance.
+        let plan_row = fact(0, Some("snapshot_plan"), None, "v9", 10);
+        assert_eq!(recorded_instance(&[open.clone(), plan_row]).as_deref(), Some("v1"));
+        // A newer generation (a re-snapshot) starts from its own row, not the old batches.
+        let mut rows = rows;
+        rows.push(fact(1, Some(EVENT_BOOTSTRAP), None, "v3", 90));
+        assert_eq!(recorded_instance(&rows).as_deref(), Some("v3"));
+    }
+
+    #[test]
+    fn a_chunk_stamped_past_a_newer_instances_start_waits_for_the_stream() {
+        let old = ci("v1", 10, &["id", "a"]);
+        let new = ci("v2", 50, &["id", "a", "b"]);
+        let all = vec![old.clone(), new.clone()];
+        assert_eq!(waits_for_switch(Lsn::from_u128(30), &old, &all), None);
+        assert_eq!(waits_for_switch(Lsn::from_u128(49), &old, &all), Some(new.clone()), "the stream reads v2 after 49");
+        assert_eq!(waits_for_switch(Lsn::from_u128(80), &old, &all), Some(new.clone()));
+        assert_eq!(waits_for_switch(Lsn::from_u128(80), &new, &all), None, "the stream is on v2");
+        // A pinned workflow lists no instances: nothing to wait for.
+        assert_eq!(waits_for_switch(Lsn::from_u128(80), &old, &[]), None);
     }
 
     #[test]
