@@ -249,7 +249,7 @@ const SEEDABLE: &str = "[snapshot]\nbootstrap = true\nmode = \"full\"\nparalleli
 fn a_killed_full_bootstrap_holds_the_mode_until_cleanup_passes_it() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let mut s = Scenario::new(25, SEEDABLE);
-    let (code, j) = step(&s, &["snapshot"], &[("FAILPOINTS", "snapshot.after_open=return")]);
+    let (code, j) = step(&s, &["snapshot"], &[("MSSQL_CDC_FAILPOINTS", "snapshot.after_open=return")]);
     assert_eq!(code, 75, "{j}");
     let open_s = events(&facts(&rt, &s), "snapshot_open")[0].min_lsn.unwrap();
     assert_eq!(status(&s)["open_snapshots"], serde_json::json!([open_s.to_hex()]));
@@ -287,7 +287,7 @@ fn a_killed_full_bootstrap_holds_the_mode_until_cleanup_passes_it() {
 fn the_call_a_live_full_bootstrap_refusal_names_finishes_it() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let s = Scenario::new(15, SEEDABLE);
-    assert_eq!(step(&s, &["snapshot"], &[("FAILPOINTS", "snapshot.after_open=return")]).0, 75);
+    assert_eq!(step(&s, &["snapshot"], &[("MSSQL_CDC_FAILPOINTS", "snapshot.after_open=return")]).0, 75);
     let (copy, at) = copy_now(&rt, &s, "copy");
     let (code, j) = seed(&s, &copy, at, false);
     assert_eq!(code, 2, "{j}");
@@ -321,7 +321,7 @@ fn seeded_stream_with_a_killed_resnapshot(rt: &tokio::runtime::Runtime) -> (Scen
     assert_eq!(seed(&s, &copy, at, false).0, 0);
     stream_until_caught_up(&s);
     pass_the_retention(&mut s, 4);
-    let (code, j) = step(&s, &["stream"], &[("FAILPOINTS", "snapshot.after_open=return")]);
+    let (code, j) = step(&s, &["stream"], &[("MSSQL_CDC_FAILPOINTS", "snapshot.after_open=return")]);
     assert_eq!(code, 75, "{j}");
     let rows = facts(rt, &s);
     let open = events(&rows, "snapshot_open");
@@ -394,7 +394,7 @@ fn resnapshot_committed_then_passed(rt: &tokio::runtime::Runtime) -> (Scenario, 
     s.changes(5);
     stream_until_caught_up(&s);
     pass_the_retention(&mut s, 4);
-    let (code, j) = step(&s, &["stream"], &[("FAILPOINTS", "snapshot.after_bronze=return")]);
+    let (code, j) = step(&s, &["stream"], &[("MSSQL_CDC_FAILPOINTS", "snapshot.after_bronze=return")]);
     assert_eq!(code, 75, "{j}");
     let rows = facts(rt, &s);
     assert!(events(&rows, "resnapshot").is_empty());
