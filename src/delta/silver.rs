@@ -5,6 +5,13 @@
 //! older image from a newer one: (`_start_lsn`, `_command_id`, `_seqval`,
 //! `_operation`), the order bronze's rebuild rule uses. `_commit_ts` is kept
 //! for readers who want to know how fresh a row is.
+//!
+//! A heap (a capture instance without a unique index) has no key, and may
+//! hold identical rows: its silver is a multiset, one row per distinct row
+//! with `_count`, how many source rows hold exactly those values
+//! ([`heap_schema`]; see `engine::apply`). No single image ranks such a row:
+//! `_start_lsn` and `_commit_ts` are the newest image counted into it, the
+//! other rank columns are NULL.
 
 use std::sync::Arc;
 
@@ -32,6 +39,9 @@ pub fn meta_fields() -> Vec<Field> {
     ]
 }
 
+/// A heap's silver: how many source rows hold the row's values (always above 0).
+pub const COUNT: &str = "_count";
+
 /// Names of silver's own columns.
 pub const META_COLUMNS: &[&str] = &[START_LSN, COMMAND_ID, SEQVAL, OPERATION, COMMIT_TS];
 
@@ -42,14 +52,27 @@ pub fn schema(columns: &[ColumnDesc]) -> SchemaRef {
     Arc::new(Schema::new(fields))
 }
 
+/// The schema of a heap's silver: [`schema`] and [`COUNT`].
+pub fn heap_schema(columns: &[ColumnDesc]) -> SchemaRef {
+    let mut fields: Vec<Field> = schema(columns).fields().iter().map(|f| f.as_ref().clone()).collect();
+    fields.push(Field::new(COUNT, DataType::Int64, true));
+    Arc::new(Schema::new(fields))
+}
+
+/// Whether a silver table's columns are a heap's (it has [`COUNT`]).
+pub fn is_heap_schema(schema: &Schema) -> bool {
+    schema.field_with_name(COUNT).is_ok()
+}
+
 /// The comment of a silver column.
 pub fn column_comment(name: &str) -> String {
     match name {
         START_LSN => "Commit LSN of the bronze row this image comes from (hex); a snapshot row's stamp.".into(),
-        COMMAND_ID => "__$command_id of that bronze row (NULL for snapshot rows): part of the image's rank.".into(),
-        SEQVAL => "__$seqval of that bronze row (NULL for snapshot rows): part of the image's rank.".into(),
-        OPERATION => "Operation of that bronze row: 0 snapshot, 2 insert, 4 update after-image.".into(),
+        COMMAND_ID => "__$command_id of that bronze row (NULL for snapshot rows, and in a heap's silver): part of the image's rank.".into(),
+        SEQVAL => "__$seqval of that bronze row (NULL for snapshot rows, and in a heap's silver): part of the image's rank.".into(),
+        OPERATION => "Operation of that bronze row: 0 snapshot, 2 insert, 4 update after-image (NULL in a heap's silver).".into(),
         COMMIT_TS => "Commit time of _start_lsn (UTC).".into(),
+        COUNT => "A heap's silver only: how many rows of the source table hold exactly these values.".into(),
         other => format!("Source column {other}: its latest value."),
     }
 }

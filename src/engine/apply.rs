@@ -30,6 +30,57 @@
 //!
 //! The verdict `finalized_until` moves to the applied LSN only when no
 //! snapshot is open, and only from facts rows.
+//!
+//! Keys are matched null-safely everywhere ([`key_match`]): a NULL in a key
+//! column (`snapshot.keys` may name a nullable column; a unique index allows
+//! one NULL) is a value of its own, so the NULL-key row is updated and
+//! deleted like any other instead of gaining a copy per change.
+//!
+//! # Heaps
+//!
+//! A capture instance without a unique index (`index_column_list` empty) is
+//! a heap, whatever `snapshot.keys` says: those columns cut a chunked
+//! snapshot into ranges, and may repeat, so keying silver on them kept one
+//! row per value and lost the others. A heap may even hold identical rows,
+//! which nothing in CDC tells apart, so its silver ([`heap`]) is a
+//! **multiset**: one row per distinct row (every captured column) with
+//! `_count`, how many source rows hold those values. A count, not one silver
+//! row per source row, because a MERGE can change a count but cannot delete
+//! one of two identical target rows.
+//!
+//! Nothing ranks one image of a heap over another: images are not replaced,
+//! they are counted, +1 for a snapshot row (0), an insert (2) or an update's
+//! after-image (4), −1 for a delete (1) or an update's before-image (3). An
+//! update's 3/4 pair (same commit, command and seqval) thus moves one
+//! occurrence from its old values to its new ones, and nets to nothing when
+//! no captured column changed. That needs the before-images, which CDC only
+//! returns with `stream.row_filter = "all update old"`: `apply` refuses a
+//! heap without that option (exit 2, before anything is written), and
+//! refuses bronze holding an after-image without its before-image. Counting
+//! is exact only if each change counts once, and only where the snapshot
+//! row does not already hold it; so what decides is an image's LSN against
+//! the snapshot its row was read in: it counts when it is after that
+//! snapshot's S (a full snapshot) or after the stamp of the chunk whose
+//! range holds its values (a chunked one; an image is placed by its own
+//! values, so the before- and after-image of an update that moves a row
+//! across chunks each count in their chunk), and after what silver applied
+//! unless its chunk is new in this apply. A change row bronze holds twice (a
+//! reseed writes the changes after its L again) counts once. While a chunked
+//! snapshot is open, a wave replaces its chunks' ranges: silver's rows of
+//! those ranges are taken out, the chunk rows and their later images put
+//! in; images in ranges not read yet wait for their chunk, and images of
+//! values above the last chunk's end (which no chunk reads) count after S
+//! once that chunk is read. A completed snapshot rebuilds the whole multiset
+//! and deletes the rest.
+//!
+//! What the count cannot know: a row a snapshot read although it was
+//! committed after the chunk's stamp (or the full snapshot's S) is counted
+//! twice, once read and once as a change, since nothing ties a heap's change
+//! to a row (a keyed silver only replays such a change). Reconcile finds it
+//! (a row with another count than the table's); a new snapshot read while
+//! no writer touches the table avoids it.
+
+pub mod heap;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -266,9 +317,10 @@ pub fn silver_keys(ctx: &Context) -> StepResult<Vec<ColumnDesc>> {
 pub async fn open_tables(ctx: &Context) -> StepResult<(DeltaTable, DeltaTable)> {
     let silver_loc = ctx.workflow.silver_location("apply")?;
     let control_loc = silver::control_location_for(&silver_loc);
-    let silver_schema = silver::schema(&ctx.instance.columns);
+    let silver_schema = silver_schema(ctx);
     if let Some(mut t) = delta::open_existing(&silver_loc, &ctx.storage).await? {
         delta::check_kind_and_migrate(&mut t, &silver_loc, TableKind::Silver, &silver_schema).await?;
+        check_shape(ctx, &t, &silver_loc)?;
     }
     if let Some(mut t) = delta::open_existing(&control_loc, &ctx.storage).await? {
         delta::check_kind_and_migrate(&mut t, &control_loc, TableKind::Control, &control::schema()).await?;
@@ -289,7 +341,7 @@ pub async fn gain_added_columns(ctx: &Context, silver_table: &mut DeltaTable) ->
     let label = ctx.workflow.target.silver.clone().unwrap_or_default();
     let snapshot = silver_table.snapshot().map_err(StepError::delta(&label))?;
     let existing: Vec<String> = snapshot.schema().fields().map(|f| f.name().to_lowercase()).collect();
-    let wanted = delta::commented_schema(TableKind::Silver, &silver::schema(&ctx.instance.columns))?;
+    let wanted = delta::commented_schema(TableKind::Silver, &silver_schema(ctx))?;
     let added: Vec<deltalake::kernel::StructField> = wanted.fields().filter(|f| !existing.contains(&f.name().to_lowercase())).cloned().collect();
     if added.is_empty() {
         return Ok(());
@@ -297,6 +349,33 @@ pub async fn gain_added_columns(ctx: &Context, silver_table: &mut DeltaTable) ->
     tracing::info!(columns = ?added.iter().map(|f| f.name().to_string()).collect::<Vec<_>>(), instance = %ctx.instance.name, "silver gains the columns the stream's capture instance added");
     *silver_table = silver_table.clone().add_columns().with_fields(added).await.map_err(StepError::delta(&label))?;
     Ok(())
+}
+
+/// Silver's schema for this capture instance: keyed, or a heap's multiset.
+pub fn silver_schema(ctx: &Context) -> deltalake::arrow::datatypes::SchemaRef {
+    if heap::is_heap(ctx) {
+        silver::heap_schema(&ctx.instance.columns)
+    } else {
+        silver::schema(&ctx.instance.columns)
+    }
+}
+
+/// Refuses a silver of the other shape (keyed for a heap, or the other way
+/// round: built before heaps had their own, or the unique index came or went).
+pub fn check_shape(ctx: &Context, table: &DeltaTable, location: &str) -> StepResult<()> {
+    let snap = table.snapshot().map_err(StepError::delta(location))?;
+    let found_heap = silver::is_heap_schema(&snap.snapshot().arrow_schema());
+    let heap = heap::is_heap(ctx);
+    if found_heap == heap {
+        return Ok(());
+    }
+    let shape = |h: bool| if h { "a multiset of rows (a table without a unique index)" } else { "one row per key" };
+    Err(StepError::Config(format!(
+        "silver {location} holds {}, but capture instance '{}' needs {}: rebuild silver (delete {location} and its control table, then apply)",
+        shape(found_heap),
+        ctx.instance.name,
+        shape(heap)
+    )))
 }
 
 /// This app id's control rows, oldest first.
@@ -316,6 +395,47 @@ pub async fn last_control(table: &mut DeltaTable, app: &str) -> StepResult<Optio
 /// A quoted SQL identifier.
 pub fn ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// The join of silver (`target`) and a MERGE's source on these columns,
+/// null-safe: a NULL in a key column is a value of its own, as the dedup's
+/// PARTITION BY, the rebuild and reconcile already take it. With `=`, a
+/// change of the row whose key is NULL matched nothing, so it inserted a
+/// second copy and its delete never removed one. A column that cannot hold
+/// NULL keeps `=`, which deltalake also uses to skip silver files by their
+/// key statistics. A nullable one is matched by two equalities, so the join
+/// stays a hash join on keys that are never NULL: `COALESCE(k, x)` with a
+/// stand-in x of the column's type, and `k IS NULL`, which tells a NULL from
+/// a real x. (`IS NOT DISTINCT FROM` alone did not match NULLs in the MERGE's
+/// join here: the NULL-key row was inserted again; it stays the fallback for
+/// types without a stand-in.)
+pub fn key_match(columns: &[ColumnDesc]) -> String {
+    columns
+        .iter()
+        .map(|k| {
+            let c = ident(&k.name);
+            match (k.nullable, null_stand_in(&k.sql_type)) {
+                (false, _) => format!("target.{c} = source.{c}"),
+                (true, Some(x)) => format!("COALESCE(target.{c}, {x}) = COALESCE(source.{c}, {x}) AND (target.{c} IS NULL) = (source.{c} IS NULL)"),
+                (true, None) => format!("target.{c} IS NOT DISTINCT FROM source.{c}"),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" AND ")
+}
+
+/// A literal of the column's Arrow type that stands in for NULL in [`key_match`].
+fn null_stand_in(ty: &SqlType) -> Option<&'static str> {
+    use SqlType::*;
+    match ty {
+        t if t.is_integer() => Some("0"),
+        Decimal { .. } | Money | SmallMoney | Float | Real => Some("0"),
+        Bit => Some("false"),
+        Char { .. } | VarChar { .. } | NChar { .. } | NVarChar { .. } | Text | NText | Xml | UniqueIdentifier | Time { .. } => Some("''"),
+        Date => Some("CAST('1970-01-01' AS DATE)"),
+        DateTime | SmallDateTime | DateTime2 { .. } => Some("CAST('1970-01-01T00:00:00' AS TIMESTAMP)"),
+        _ => None,
+    }
 }
 
 /// `a`'s rank is above `b`'s (aliases of two relations with silver's rank columns).
@@ -481,7 +601,7 @@ async fn merge(
         let df = session.read_table(Arc::new(mem)).map_err(|e| StepError::Internal(format!("apply's source: {e}")))?;
         (df, session.state())
     };
-    let on: Vec<String> = keys.iter().map(|k| format!("target.{c} = source.{c}", c = ident(&k.name))).collect();
+    let on = key_match(keys);
     let all_cols: Vec<String> = columns.iter().map(|c| c.name.clone()).chain(silver::META_COLUMNS.iter().map(|m| m.to_string())).collect();
     let newer = if rebuild { rank_ne("source", "target") } else { rank_gt("source", "target") };
     let metadata = json!({
@@ -497,7 +617,7 @@ async fn merge(
     let before = silver_table.version();
     let mut builder = silver_table
         .clone()
-        .merge(source, on.join(" AND "))
+        .merge(source, on)
         .with_source_alias("source")
         .with_target_alias("target")
         .with_session_state(Arc::new(state))
@@ -590,7 +710,13 @@ async fn plan_rows(ctx: &Context, app: &str, s: Lsn) -> StepResult<Vec<PlanRow>>
 /// The `apply` step.
 pub async fn run(ctx: &mut Context) -> StepResult<ApplyResult> {
     super::switch::follow_stream(ctx).await?;
-    let keys = silver_keys(ctx)?;
+    let is_heap = heap::is_heap(ctx);
+    let keys = if is_heap {
+        heap::check_options(ctx)?;
+        vec![]
+    } else {
+        silver_keys(ctx)?
+    };
     let app = ctx.workflow.app_id.clone();
     let (mut silver_table, mut control_table) = open_tables(ctx).await?;
     gain_added_columns(ctx, &mut silver_table).await?;
@@ -647,7 +773,12 @@ pub async fn run(ctx: &mut Context) -> StepResult<ApplyResult> {
         result.snapshot_state = snapshot_state(last.as_ref());
         return Ok(result);
     }
-    let (up, del, version) = merge(ctx, &mut silver_table, &keys, &d, &chunks, range_deletes).await?;
+    let (up, del, version) = if is_heap {
+        let ids: Vec<i64> = chunks.iter().map(|c| c.chunk).collect();
+        heap::merge(ctx, &mut silver_table, &d, last.as_ref(), &facts, &ids).await?
+    } else {
+        merge(ctx, &mut silver_table, &keys, &d, &chunks, range_deletes).await?
+    };
     failpoint!("apply.after_merge");
     let mut row = d.next.clone();
     row.rows_upserted = Some(up);
@@ -801,6 +932,17 @@ mod tests {
         assert_eq!(d.action, Action::Waves { snapshot: lsn(40), waves: vec![0], after: Some(lsn(20)) });
         assert_eq!(d.next.finalized_until, Some(lsn(20)), "held at its value before the open");
         assert_eq!(d.next.applied_lsn, Some(lsn(45)));
+    }
+
+    #[test]
+    fn keys_match_null_safely_where_they_may_be_null() {
+        let id = ColumnDesc::new("id", SqlType::Int, false);
+        let code = ColumnDesc::new("co\"de", SqlType::NVarChar { len: Some(10) }, true);
+        assert_eq!(
+            key_match(&[id, code]),
+            "target.\"id\" = source.\"id\" AND COALESCE(target.\"co\"\"de\", '') = COALESCE(source.\"co\"\"de\", '') \
+             AND (target.\"co\"\"de\" IS NULL) = (source.\"co\"\"de\" IS NULL)"
+        );
     }
 
     #[test]

@@ -16,6 +16,20 @@
 //!   reads (adr-0028 Amendment 2). Keys compare null-safely (a NULL key
 //!   column is a value of its own), and the report writes it as null.
 //!
+//! A key met twice on one side is a difference of its own (a map keyed on
+//! the key would keep one copy and call the other clean): a second silver
+//! row of a key is `MISSING_SOURCE`, a second source row `MISSING_TARGET`.
+//! Neither side's bucket sums count NULL keys, so with a nullable key the
+//! first bucket, which reads them, is always compared.
+//!
+//! A heap (no unique index; see `engine::apply`) has no key: silver is a
+//! multiset with a count per distinct row, so tier 1 compares the row count
+//! (silver's summed counts) and tier 2 every row's hash with its count on
+//! both sides. A row held more often in the source is `MISSING_TARGET`, more
+//! often in silver `MISSING_SOURCE`; IN_FLIGHT when a change silver has not
+//! applied holds those values (before-images too), and the report's key is
+//! the whole row.
+//!
 //! With the facts table, the newest chunked snapshot's chunks are checked
 //! against their plan and bronze: `CHUNK_TILING` (a chunk's bounds are not
 //! the plan's, or do not meet the next chunk's), `CHUNK_ROWS` (bronze holds
@@ -167,6 +181,79 @@ pub fn classify(source: &Side, target: &Side, in_flight: &HashSet<String>, bucke
     out
 }
 
+/// A heap's rows on one side: row hash -> (the row's values, how many rows hold them).
+pub type Counts = HashMap<String, (Key, i64)>;
+
+/// Classifies a heap's rows (pure): each distinct row whose count differs,
+/// `MISSING_TARGET` when the source holds it more often, `MISSING_SOURCE`
+/// when silver does, `IN_FLIGHT` when a change silver has not applied has
+/// those values (`in_flight` holds row hashes). The report's key is the
+/// whole row, the only thing that names a heap's row.
+pub fn classify_heap(source: &Counts, target: &Counts, in_flight: &HashSet<String>) -> Vec<Difference> {
+    let mut hashes: Vec<&String> = source.keys().chain(target.keys().filter(|h| !source.contains_key(*h))).collect();
+    hashes.sort();
+    let mut out = Vec::new();
+    for h in hashes {
+        let (s, t) = (source.get(h), target.get(h));
+        let (n_source, n_target) = (s.map_or(0, |x| x.1), t.map_or(0, |x| x.1));
+        if n_source == n_target {
+            continue;
+        }
+        let class = if in_flight.contains(h) {
+            IN_FLIGHT
+        } else if n_source > n_target {
+            MISSING_TARGET
+        } else {
+            MISSING_SOURCE
+        };
+        out.push(Difference {
+            class,
+            key: s.or(t).map(|x| x.0.clone()),
+            bucket: None,
+            chunk: None,
+            source_hash: s.map(|_| h.clone()),
+            target_hash: t.map(|_| h.clone()),
+            detail: Some(json!({"source_count": n_source, "silver_count": n_target})),
+        });
+    }
+    out
+}
+
+/// A heap's two sides, whole: the table read through the snapshot reader,
+/// and silver's rows with their `_count`.
+async fn heap_sides(ctx: &Context, silver_table: &DeltaTable, columns: &[ColumnDesc], iso: crate::source::Isolation) -> StepResult<(Counts, Counts)> {
+    let read = SnapshotRead {
+        table: ctx.workflow.table_name(),
+        columns: columns.to_vec(),
+        keys: vec![],
+        range: KeyRange::all(),
+        isolation: iso,
+        batch_rows: ctx.workflow.snapshot.batch_rows,
+    };
+    let mut source = Counts::new();
+    let mut stream = ctx.source.snapshot_read(&read).await?;
+    while let Some(b) = stream.next().await {
+        let b = b?;
+        for r in 0..b.num_rows() {
+            let values: Key = columns.iter().enumerate().map(|(i, c)| as_stored(&value_at(b.column(i).as_ref(), r, &c.sql_type), &c.sql_type)).collect();
+            source.entry(row_hash(&values)).or_insert_with(|| (values, 0)).1 += 1;
+        }
+    }
+    let cols: Vec<String> = columns.iter().map(|c| ident(&c.name)).collect();
+    let mut target = Counts::new();
+    let sql = format!("SELECT {}, {} FROM t", cols.join(", "), ident(silver::COUNT));
+    let mut stream = delta::query_stream(silver_table, &sql).await?;
+    while let Some(b) = stream.next().await {
+        let b = delta::plain_types(&b.map_err(|e| StepError::Temporary(format!("reading silver: {e}")))?)?;
+        let n = i64_col(&b, columns.len())?;
+        for r in 0..b.num_rows() {
+            let values: Key = columns.iter().enumerate().map(|(i, c)| value_at(b.column(i).as_ref(), r, &c.sql_type)).collect();
+            target.entry(row_hash(&values)).or_insert_with(|| (values, 0)).1 += if n.is_null(r) { 0 } else { n.value(r) };
+        }
+    }
+    Ok((source, target))
+}
+
 /// One tier 1 bucket of an integer key: `[start, start + width)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bucket {
@@ -266,7 +353,10 @@ fn i64_col(b: &RecordBatch, i: usize) -> StepResult<&Int64Array> {
 }
 
 /// The rows of one side, keyed: `values` gives a row's values in capture order.
-fn add_rows(side: &mut Side, batch: &RecordBatch, columns: &[ColumnDesc], key_idx: &[usize], stored: bool) {
+/// A key met a second time (two silver rows of one key, or a source whose
+/// `snapshot.keys` do not identify a row) goes to `repeated`, never over the
+/// first: a map would hide it.
+fn add_rows(side: &mut Side, repeated: &mut Vec<(Key, String)>, batch: &RecordBatch, columns: &[ColumnDesc], key_idx: &[usize], stored: bool) {
     let arrays: Vec<Option<&dyn Array>> = columns
         .iter()
         .map(|c| batch.schema().fields().iter().position(|f| f.name().eq_ignore_ascii_case(&c.name)).map(|i| batch.column(i).as_ref()))
@@ -288,7 +378,13 @@ fn add_rows(side: &mut Side, batch: &RecordBatch, columns: &[ColumnDesc], key_id
             })
             .collect();
         let key: Key = key_idx.iter().map(|&i| values[i].clone()).collect();
-        side.insert(key_text(&key), (key, row_hash(&values)));
+        let hash = row_hash(&values);
+        match side.entry(key_text(&key)) {
+            std::collections::hash_map::Entry::Occupied(_) => repeated.push((key, hash)),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert((key, hash));
+            }
+        }
     }
 }
 
@@ -301,6 +397,24 @@ fn columns_silver_holds(silver_table: &DeltaTable, columns: &[ColumnDesc]) -> St
     let snapshot = silver_table.snapshot().map_err(StepError::delta(silver_table.table_url().to_string()))?;
     let held: Vec<String> = snapshot.schema().fields().map(|f| f.name().to_lowercase()).collect();
     Ok(columns.iter().filter(|c| held.contains(&c.name.to_lowercase())).map(|c| ident(&c.name)).collect())
+}
+
+/// The differences of keys met more than once on one side (pure): a silver
+/// key held twice is `MISSING_SOURCE` (the copy has no source row), a source
+/// key held twice `MISSING_TARGET` (silver, one row per key, cannot hold
+/// both). Never IN_FLIGHT: no change silver has yet to apply makes a key
+/// repeat.
+pub fn repeated_keys(source: &[(Key, String)], target: &[(Key, String)], bucket: Option<i64>) -> Vec<Difference> {
+    let one = |class: &'static str, side: &str, key: &Key, hash: &String| Difference {
+        class,
+        key: Some(key.clone()),
+        bucket,
+        chunk: None,
+        source_hash: (side == "source").then(|| hash.clone()),
+        target_hash: (side == "silver").then(|| hash.clone()),
+        detail: Some(json!({"problem": format!("the key is in {side} more than once")})),
+    };
+    source.iter().map(|(k, h)| one(MISSING_TARGET, "source", k, h)).chain(target.iter().map(|(k, h)| one(MISSING_SOURCE, "silver", k, h))).collect()
 }
 
 /// A SQL predicate over silver for a tier 2 range of one integer key.
@@ -318,7 +432,8 @@ fn range_sql(key: &str, range: &KeyRange) -> String {
 }
 
 /// The key texts of bronze's changes after `after` (all changes when None).
-async fn bronze_changed_keys(bronze_table: &DeltaTable, keys: &[ColumnDesc], after: Option<Lsn>) -> StepResult<HashSet<String>> {
+/// `id` names a key (its key text) or, for a heap, a row (its hash over every column).
+async fn bronze_changed_keys(bronze_table: &DeltaTable, keys: &[ColumnDesc], after: Option<Lsn>, id: fn(&[SqlValue]) -> String) -> StepResult<HashSet<String>> {
     let cols: Vec<String> = keys.iter().map(|k| ident(&k.name)).collect();
     let filter = match after {
         Some(a) => format!("{} <> 0 AND {} > {}", bronze::OPERATION, bronze::START_LSN, sql_str(&a.to_hex())),
@@ -330,7 +445,7 @@ async fn bronze_changed_keys(bronze_table: &DeltaTable, keys: &[ColumnDesc], aft
         let b = delta::plain_types(&b.map_err(|e| StepError::Temporary(format!("reading bronze: {e}")))?)?;
         for r in 0..b.num_rows() {
             let key: Key = keys.iter().enumerate().map(|(i, k)| value_at(b.column(i).as_ref(), r, &k.sql_type)).collect();
-            out.insert(key_text(&key));
+            out.insert(id(&key));
         }
     }
     Ok(out)
@@ -338,14 +453,21 @@ async fn bronze_changed_keys(bronze_table: &DeltaTable, keys: &[ColumnDesc], aft
 
 /// The key texts of the change table's changes in `(position, max]`: what
 /// the stream has not read yet (keys only, through the stream's own read).
-async fn change_table_keys(ctx: &Context, keys: &[ColumnDesc], position: Option<Lsn>, max: Option<Lsn>) -> StepResult<HashSet<String>> {
+async fn change_table_keys(
+    ctx: &Context,
+    keys: &[ColumnDesc],
+    position: Option<Lsn>,
+    max: Option<Lsn>,
+    filter: RowFilter,
+    id: fn(&[SqlValue]) -> String,
+) -> StepResult<HashSet<String>> {
     let mut out = HashSet::new();
     let (Some(max), Some(pos)) = (max, position) else { return Ok(out) };
     if pos >= max {
         return Ok(out);
     }
     let from = ctx.source.increment_lsn(pos).await?;
-    let mut stream = match ctx.source.changes(&ctx.instance, from, max, RowFilter::All, 8192).await {
+    let mut stream = match ctx.source.changes(&ctx.instance, from, max, filter, 8192).await {
         Ok(s) => s,
         Err(SourceError::RangeUnavailable { .. }) => {
             tracing::warn!(%pos, %max, "the change table no longer holds the stream's lag (cleanup): IN_FLIGHT counts bronze's changes only");
@@ -365,7 +487,7 @@ async fn change_table_keys(ctx: &Context, keys: &[ColumnDesc], position: Option<
                     None => SqlValue::Null,
                 })
                 .collect();
-            out.insert(key_text(&key));
+            out.insert(id(&key));
         }
     }
     Ok(out)
@@ -418,13 +540,15 @@ async fn chunk_checks(ctx: &Context, facts: &[FactRow]) -> StepResult<(Option<Ls
 /// The `reconcile` step.
 pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     super::switch::follow_stream(ctx).await?;
-    let keys = apply::silver_keys(ctx)?;
+    let is_heap = apply::heap::is_heap(ctx);
+    let keys = if is_heap { vec![] } else { apply::silver_keys(ctx)? };
     let app = ctx.workflow.app_id.clone();
     let silver_loc = ctx.workflow.silver_location("reconcile")?;
     let report_loc = ctx.workflow.reconcile_location()?;
     let no_silver = || StepError::Config(format!("silver {silver_loc} has no applied state yet: run `mssql-cdc --workflow FILE apply` first"));
     let mut silver_table = delta::open_existing(&silver_loc, &ctx.storage).await?.ok_or_else(no_silver)?;
-    delta::check_kind_and_migrate(&mut silver_table, &silver_loc, TableKind::Silver, &silver::schema(&ctx.instance.columns)).await?;
+    delta::check_kind_and_migrate(&mut silver_table, &silver_loc, TableKind::Silver, &apply::silver_schema(ctx)).await?;
+    apply::check_shape(ctx, &silver_table, &silver_loc)?;
     let control_loc = silver::control_location_for(&silver_loc);
     let mut control_table = delta::open_existing(&control_loc, &ctx.storage).await?.ok_or_else(no_silver)?;
     delta::check_kind_and_migrate(&mut control_table, &control_loc, TableKind::Control, &crate::delta::control::schema()).await?;
@@ -450,7 +574,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     let key_names: Vec<String> = keys.iter().map(|k| k.name.clone()).collect();
 
     // Tier 1.
-    let integer = keys.len() == 1 && keys[0].sql_type.is_integer();
+    let integer = !is_heap && keys.len() == 1 && keys[0].sql_type.is_integer();
     let mut ranges: Vec<(Option<i64>, KeyRange)> = Vec::new();
     let (mut rows_source, mut rows_target) = (0u64, 0u64);
     let (tier1, n_buckets, n_mismatched);
@@ -511,6 +635,17 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         n_mismatched = mismatched;
         let first = src.keys().chain(tgt.keys()).min().copied();
         let last = src.keys().chain(tgt.keys()).max().copied();
+        // NULL keys are in no bucket sum (neither side counts them), so the
+        // first bucket, which also reads them, is compared whenever the key
+        // may be NULL; with no bucket at all, the whole (NULL-only or empty) table is.
+        let mut chosen = chosen;
+        if keys[0].nullable {
+            match first {
+                Some(f) if !chosen.contains(&f) => chosen.insert(0, f),
+                Some(_) => {}
+                None => ranges.push((None, KeyRange::all())),
+            }
+        }
         for b in chosen {
             // The first bucket also takes NULL keys and keys below the extent; the last, keys above it.
             let lo_b = if Some(b) == first { None } else { Some(vec![SqlValue::Int(b)]) };
@@ -527,8 +662,18 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
 
     // Tier 2.
     let mut compared: Vec<(Option<i64>, Side, Side)> = Vec::new();
+    let mut repeated: Vec<Difference> = Vec::new();
+    let mut heap_counts: Option<(Counts, Counts)> = None;
     let mut rows_compared = 0u64;
     for (bucket, range) in &ranges {
+        if is_heap {
+            let counted = heap_sides(ctx, &silver_table, &columns, iso).await?;
+            rows_source = counted.0.values().map(|(_, n)| *n as u64).sum();
+            rows_target = counted.1.values().map(|(_, n)| *n as u64).sum();
+            rows_compared = rows_source.max(rows_target);
+            heap_counts = Some(counted);
+            continue;
+        }
         let read = SnapshotRead {
             table: table.clone(),
             columns: columns.clone(),
@@ -538,9 +683,10 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
             batch_rows: ctx.workflow.snapshot.batch_rows,
         };
         let mut source_side = Side::new();
+        let (mut source_repeated, mut target_repeated) = (Vec::new(), Vec::new());
         let mut stream = ctx.source.snapshot_read(&read).await?;
         while let Some(b) = stream.next().await {
-            add_rows(&mut source_side, &b?, &columns, &key_idx, true);
+            add_rows(&mut source_side, &mut source_repeated, &b?, &columns, &key_idx, true);
         }
         let cols = columns_silver_holds(&silver_table, &columns)?;
         let filter = if integer { range_sql(&keys[0].name, range) } else { "TRUE".into() };
@@ -548,24 +694,32 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         let mut stream = delta::query_stream(&silver_table, &format!("SELECT {} FROM t WHERE {filter}", cols.join(", "))).await?;
         while let Some(b) = stream.next().await {
             let b = delta::plain_types(&b.map_err(|e| StepError::Temporary(format!("reading silver: {e}")))?)?;
-            add_rows(&mut target_side, &b, &columns, &key_idx, false);
+            add_rows(&mut target_side, &mut target_repeated, &b, &columns, &key_idx, false);
         }
-        rows_compared += source_side.len().max(target_side.len()) as u64;
+        rows_compared += (source_side.len() + source_repeated.len()).max(target_side.len() + target_repeated.len()) as u64;
         if !integer {
-            rows_source = source_side.len() as u64;
-            rows_target = target_side.len() as u64;
+            rows_source = (source_side.len() + source_repeated.len()) as u64;
+            rows_target = (target_side.len() + target_repeated.len()) as u64;
         }
+        repeated.extend(repeated_keys(&source_repeated, &target_repeated, *bucket));
         compared.push((*bucket, source_side, target_side));
     }
     // After the source reads: what the stream has not read yet, and what silver has not applied.
     let source_max = ctx.source.max_lsn().await?;
     let st = state::load(ctx).await?;
-    let mut in_flight = bronze_changed_keys(&ctx.bronze, &keys, applied).await?;
-    in_flight.extend(change_table_keys(ctx, &keys, st.position(), source_max).await?);
+    // A heap's rows are told apart by all their values: what is in flight is a row's hash.
+    let (flight_cols, id, filter): (&[ColumnDesc], fn(&[SqlValue]) -> String, RowFilter) =
+        if is_heap { (&columns, row_hash, RowFilter::AllUpdateOld) } else { (&keys, key_text, RowFilter::All) };
+    let mut in_flight = bronze_changed_keys(&ctx.bronze, flight_cols, applied, id).await?;
+    in_flight.extend(change_table_keys(ctx, flight_cols, st.position(), source_max, filter, id).await?);
     let mut diffs: Vec<Difference> = Vec::new();
+    if let Some((source_counts, target_counts)) = &heap_counts {
+        diffs.extend(classify_heap(source_counts, target_counts, &in_flight));
+    }
     for (bucket, s, t) in &compared {
         diffs.extend(classify(s, t, &in_flight, *bucket));
     }
+    diffs.extend(repeated);
     let facts = state::facts_rows(&ctx.facts, &app).await?;
     let (chunk_snapshot, chunks_checked, chunk_diffs) = chunk_checks(ctx, &facts).await?;
     diffs.extend(chunk_diffs);
@@ -575,6 +729,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         *counts.entry(d.class.to_string()).or_default() += 1;
     }
     let differences = diffs.iter().filter(|d| d.class != IN_FLIGHT).count() as u64;
+    let report_keys: &[ColumnDesc] = if is_heap { &columns } else { &keys };
     let clean = differences == 0;
     let now = Some(Utc::now());
     let header = ReportRow {
@@ -595,12 +750,12 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     let samples: Vec<Value> = diffs
         .iter()
         .take(20)
-        .map(|d| json!({"class": d.class, "key": d.key.as_ref().map(|k| key_json(&keys, k)), "chunk": d.chunk, "detail": d.detail}))
+        .map(|d| json!({"class": d.class, "key": d.key.as_ref().map(|k| key_json(report_keys, k)), "chunk": d.chunk, "detail": d.detail}))
         .collect();
     for d in diffs.iter().take(opts.max_report_rows) {
         rows.push(ReportRow {
             class: d.class.to_string(),
-            key: d.key.as_ref().map(|k| key_json(&keys, k)),
+            key: d.key.as_ref().map(|k| key_json(report_keys, k)),
             bucket: d.bucket,
             chunk: d.chunk,
             source_hash: d.source_hash.clone(),
@@ -667,6 +822,47 @@ mod tests {
         assert!(classes.contains(&(IN_FLIGHT, "3".into())) && classes.contains(&(IN_FLIGHT, "null".into())), "{classes:?}");
         assert!(classes.contains(&(RECORD_DIFF, "2".into())), "a real difference beside them stays: {classes:?}");
         assert_eq!(key_json(&[ColumnDesc::new("id", crate::types::SqlType::Int, true)], &[SqlValue::Null]), json!({"id": null}));
+    }
+
+    #[test]
+    fn a_key_held_twice_is_a_difference_and_never_in_flight() {
+        let null = vec![SqlValue::Null];
+        let d = repeated_keys(&[], &[(null.clone(), "h".into())], Some(0));
+        assert_eq!(d.len(), 1);
+        assert_eq!((d[0].class, d[0].key.as_ref()), (MISSING_SOURCE, Some(&null)), "{d:?}");
+        let d = repeated_keys(&[(vec![SqlValue::Int(4)], "h".into())], &[], None);
+        assert_eq!(d[0].class, MISSING_TARGET);
+        // add_rows keeps the first copy and hands over the second.
+        let b = RecordBatch::try_from_iter(vec![(
+            "k",
+            std::sync::Arc::new(deltalake::arrow::array::Int32Array::from(vec![None, Some(1), None])) as deltalake::arrow::array::ArrayRef,
+        )])
+        .unwrap();
+        let (mut side, mut rep) = (Side::new(), Vec::new());
+        add_rows(&mut side, &mut rep, &b, &[ColumnDesc::new("k", crate::types::SqlType::Int, true)], &[0], false);
+        assert_eq!((side.len(), rep.len()), (2, 1));
+        assert_eq!(rep[0].0, null);
+    }
+
+    #[test]
+    fn a_heaps_rows_compare_by_count() {
+        let row = |v: i64| vec![SqlValue::Int(v)];
+        let counts = |rows: &[(i64, i64)]| -> Counts { rows.iter().map(|(v, n)| (row_hash(&row(*v)), (row(*v), *n))).collect() };
+        let s = counts(&[(1, 2), (2, 1), (3, 1)]);
+        let t = counts(&[(1, 1), (2, 1), (4, 3)]);
+        let d = classify_heap(&s, &t, &HashSet::new());
+        let mut got: Vec<(&str, Value)> = d.iter().map(|d| (d.class, d.detail.clone().unwrap())).collect();
+        got.sort_by_key(|(c, v)| (c.to_string(), v.to_string()));
+        assert_eq!(
+            got,
+            vec![
+                (MISSING_SOURCE, json!({"source_count": 0, "silver_count": 3})),
+                (MISSING_TARGET, json!({"source_count": 1, "silver_count": 0})),
+                (MISSING_TARGET, json!({"source_count": 2, "silver_count": 1})),
+            ]
+        );
+        let flight: HashSet<String> = [row_hash(&row(1))].into();
+        assert!(classify_heap(&s, &t, &flight).iter().any(|d| d.class == IN_FLIGHT && d.key == Some(row(1))));
     }
 
     #[test]

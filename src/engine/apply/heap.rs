@@ -1,0 +1,464 @@
+//! Silver of a heap (a capture instance without a unique index): a multiset
+//! of rows with a count, applied from bronze's images. The design and its
+//! reasons are in the module doc of [`super`] ("Heaps").
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+use deltalake::arrow::array::{new_null_array, Array, BooleanArray, Int32Array, StringArray};
+use deltalake::arrow::compute::filter_record_batch;
+use deltalake::arrow::record_batch::RecordBatch;
+use deltalake::datafusion::common::Column;
+use deltalake::datafusion::datasource::MemTable;
+use deltalake::datafusion::prelude::SessionContext;
+use deltalake::DeltaTable;
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+use super::{ident, key_match, plan_rows, txn_merge, waves_in_facts, Action, Decision};
+use crate::delta::control::ControlRow;
+use crate::delta::facts::{FactRow, EVENT_SNAPSHOT_OPEN};
+use crate::delta::{self, bronze, silver, sql_str};
+use crate::engine::chunked::{ChunkPayload, OpenPayload, EVENT_SNAPSHOT_CHUNK};
+use crate::engine::Context;
+use crate::error::{StepError, StepResult};
+use crate::lsn::Lsn;
+use crate::source::KeyRange;
+use crate::types::{key_cmp, value_at, Key};
+use crate::workflow::RowFilterOption;
+
+/// Whether silver keeps this capture instance as a heap: it has no unique
+/// index (`index_column_list` is empty). `snapshot.keys` does not change
+/// that: on a heap they name the columns chunks are cut on, which may repeat.
+pub fn is_heap(ctx: &Context) -> bool {
+    ctx.instance.index_columns.is_empty()
+}
+
+/// The refusal of a heap streamed without before-images (before anything is written).
+pub fn check_options(ctx: &Context) -> StepResult<()> {
+    if ctx.workflow.stream.row_filter == RowFilterOption::AllUpdateOld {
+        return Ok(());
+    }
+    Err(StepError::Config(format!(
+        "capture instance '{}' has no unique index, so silver keeps {} as a multiset of rows and must take each \
+         updated row's old values out of it, which only the update's before-image holds; but the stream reads \
+         updates without them (stream.row_filter = \"all\"): set stream.row_filter = \"all update old\" in {} \
+         (bronze streamed without it needs a new snapshot, or a new bronze target)",
+        ctx.instance.name,
+        ctx.workflow.table_name(),
+        ctx.workflow.path.display()
+    )))
+}
+
+/// The snapshot a heap's silver is counted from, and its chunks read so far.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Base {
+    /// No snapshot: changes only.
+    None,
+    /// A full snapshot (or a seed) at S: every row read as of S.
+    Full(Lsn),
+    /// A chunked snapshot at S: its chunks read so far (sorted by chunk,
+    /// so by range), each as of its stamp, cut on `keys`.
+    Chunked { s: Lsn, keys: Vec<String>, read: Vec<ChunkPayload> },
+}
+
+/// Whether the snapshot at `s` was opened chunked.
+fn opened_chunked(facts: &[FactRow], s: Lsn) -> bool {
+    facts.iter().any(|r| {
+        r.event.as_deref() == Some(EVENT_SNAPSHOT_OPEN)
+            && r.min_lsn == Some(s)
+            && r.detail.as_ref().and_then(|d| d.get("mode")).and_then(Value::as_str) == Some("chunked")
+    })
+}
+
+/// The chunks of snapshot `s` the facts record, up to wave `upto` (None: all), with the open's keys.
+async fn chunked_base(ctx: &Context, facts: &[FactRow], s: Lsn, upto: Option<i64>) -> StepResult<Base> {
+    let app = &ctx.workflow.app_id;
+    let prows = plan_rows(ctx, app, s).await?;
+    let mut read = Vec::new();
+    for (w, cs) in waves_in_facts(facts, s).into_iter().filter(|(w, _)| upto.is_none_or(|u| *w <= u)) {
+        for c in cs {
+            let row = prows.iter().find(|r| r.event == EVENT_SNAPSHOT_CHUNK && r.chunk == Some(c) && r.wave == Some(w)).ok_or_else(|| {
+                StepError::NeedsPerson(format!(
+                    "the facts record chunk {c} of wave {w} of the snapshot at {s}, but the plans table has no row for it: \
+                     restore the plans table, or open a new snapshot"
+                ))
+            })?;
+            let p: ChunkPayload = serde_json::from_value(row.detail.clone()).map_err(|e| StepError::Internal(format!("chunk {c}'s plans row: {e}")))?;
+            read.push(p);
+        }
+    }
+    read.sort_by_key(|c| c.chunk);
+    read.dedup_by_key(|c| c.chunk);
+    let keys = match prows.iter().find(|r| r.event == EVENT_SNAPSHOT_OPEN) {
+        Some(r) => serde_json::from_value::<OpenPayload>(r.detail.clone()).map_err(|e| StepError::Internal(format!("the open's plans row: {e}")))?.keys,
+        None if read.is_empty() => vec![],
+        None => {
+            return Err(StepError::NeedsPerson(format!(
+                "the snapshot at {s} has chunks but the plans table has no open row naming the columns they are cut on: restore the plans table"
+            )))
+        }
+    };
+    Ok(Base::Chunked { s, keys, read })
+}
+
+/// The base of a completed snapshot: all its chunks when it was chunked.
+async fn completed_base(ctx: &Context, facts: &[FactRow], s: Lsn) -> StepResult<Base> {
+    if opened_chunked(facts, s) {
+        chunked_base(ctx, facts, s, None).await
+    } else {
+        Ok(Base::Full(s))
+    }
+}
+
+/// The base of one apply (see [`Base`]).
+async fn base_of(ctx: &Context, d: &Decision, last: Option<&ControlRow>, facts: &[FactRow]) -> StepResult<Base> {
+    match &d.action {
+        Action::Rebuild { snapshot } => completed_base(ctx, facts, *snapshot).await,
+        Action::Waves { snapshot, waves, .. } => chunked_base(ctx, facts, *snapshot, waves.last().copied()).await,
+        Action::Changes { .. } | Action::Nothing => match (d.next.open_snapshot_lsn, d.next.snapshot_lsn) {
+            (Some(o), _) => {
+                let upto = last.filter(|c| c.open_snapshot_lsn == Some(o)).and_then(|c| c.snapshot_wave);
+                match upto {
+                    Some(_) => chunked_base(ctx, facts, o, upto).await,
+                    None => Ok(Base::Chunked { s: o, keys: vec![], read: vec![] }),
+                }
+            }
+            (None, Some(s)) => completed_base(ctx, facts, s).await,
+            (None, None) => Ok(Base::None),
+        },
+    }
+}
+
+/// The read chunk whose range holds `key` (chunks sorted by range; a key
+/// with a NULL column is only in the chunk open below, as SQL Server's
+/// comparisons put it).
+pub fn chunk_of<'a>(read: &'a [ChunkPayload], key: &[crate::types::SqlValue]) -> Option<&'a ChunkPayload> {
+    let range = |c: &ChunkPayload| KeyRange { lo: c.lo.clone(), hi: c.hi.clone() };
+    if key.iter().any(|v| v.is_null()) {
+        return read.iter().find(|c| c.lo.is_none()).filter(|c| range(c).contains(key));
+    }
+    let i = read.partition_point(|c| c.lo.as_ref().is_none_or(|lo| key_cmp(lo, key) != std::cmp::Ordering::Greater));
+    let c = read.get(i.checked_sub(1)?)?;
+    range(c).contains(key).then_some(c)
+}
+
+/// Whether a change image at `lsn` counts in this apply (pure): it must be
+/// after the snapshot its row was read in (a chunk's stamp, a full
+/// snapshot's S), after what silver applied unless its chunk is new to
+/// silver in this apply, and in a chunk read so far. Values above the last
+/// chunk's end (rows inserted above the open's MAX) are in no chunk: no read
+/// holds them, so all their images after S count, from the apply that reads
+/// the last chunk on.
+pub fn counts(base: &Base, key: impl FnOnce() -> Key, lsn: Lsn, applied: Option<Lsn>, new_chunks: &BTreeSet<i64>, rebuild: bool) -> bool {
+    let after = |l: Option<Lsn>| l.is_none_or(|l| lsn > l);
+    match base {
+        Base::None => after(applied),
+        Base::Full(s) => lsn > *s && (rebuild || after(applied)),
+        Base::Chunked { s, read, .. } => {
+            let key = key();
+            if let Some(c) = chunk_of(read, &key) {
+                return lsn > c.stamp && (rebuild || new_chunks.contains(&c.chunk) || after(applied));
+            }
+            let beyond = |c: &&ChunkPayload| {
+                c.last && c.hi.as_ref().is_some_and(|hi| !key.iter().any(|v| v.is_null()) && key_cmp(&key, hi) != std::cmp::Ordering::Less)
+            };
+            match read.iter().find(beyond) {
+                Some(last) => lsn > *s && (rebuild || new_chunks.contains(&last.chunk) || after(applied)),
+                None => false,
+            }
+        }
+    }
+}
+
+/// Runs the MERGE of one decision into a heap's silver. Returns (rows upserted, rows deleted, silver version if committed).
+pub async fn merge(
+    ctx: &Context,
+    silver_table: &mut DeltaTable,
+    d: &Decision,
+    last: Option<&ControlRow>,
+    facts: &[FactRow],
+    new_chunk_ids: &[i64],
+) -> StepResult<(i64, i64, Option<i64>)> {
+    let Some(to) = d.to else { return Ok((0, 0, None)) };
+    let columns = &ctx.instance.columns;
+    let rebuild = matches!(d.action, Action::Rebuild { .. });
+    let applied = last.and_then(|c| c.applied_lsn);
+    let base = base_of(ctx, d, last, facts).await?;
+    let new_chunks: BTreeSet<i64> = new_chunk_ids.iter().copied().collect();
+    let cut_idx: Vec<usize> = match &base {
+        Base::Chunked { keys, .. } => keys
+            .iter()
+            .map(|k| columns.iter().position(|c| c.name.eq_ignore_ascii_case(k)).ok_or_else(|| StepError::Config(format!("chunk column '{k}' is not captured"))))
+            .collect::<StepResult<_>>()?,
+        _ => vec![],
+    };
+    let cols: Vec<String> = columns.iter().map(|c| ident(&c.name)).collect();
+    let cols = cols.join(", ");
+    let lsn = |l: Lsn| sql_str(&l.to_hex());
+
+    // The change images that may count: after the base's S (or what silver
+    // applied), up to the stream's position; a change row bronze holds twice
+    // (a reseed writes the changes after its L again) counts once.
+    let lower = match (&base, &d.action) {
+        (Base::None, _) => applied,
+        (Base::Full(s) | Base::Chunked { s, .. }, Action::Rebuild { .. } | Action::Waves { .. }) => Some(*s),
+        (Base::Full(s) | Base::Chunked { s, .. }, _) => Some(applied.map_or(*s, |a| a.max(*s))),
+    };
+    let mut filter = format!("{op} <> 0 AND {start} <= {to}", op = bronze::OPERATION, start = bronze::START_LSN, to = lsn(to));
+    if let Some(l) = lower {
+        filter.push_str(&format!(" AND {} > {}", bronze::START_LSN, lsn(l)));
+    }
+    let sql = format!(
+        "SELECT DISTINCT {cols}, {start}, {cmd}, {seq}, {op}, {ts} FROM t WHERE {filter}",
+        start = bronze::START_LSN,
+        cmd = bronze::COMMAND_ID,
+        seq = bronze::SEQVAL,
+        op = bronze::OPERATION,
+        ts = bronze::COMMIT_TS
+    );
+    let mut stream = delta::query_stream(&ctx.bronze, &sql).await?;
+    let mut counted: Vec<RecordBatch> = Vec::new();
+    // Per change (commit, command, seqval): whether its before- and after-image are there.
+    let mut pairs: HashMap<(String, i32, String), (bool, bool)> = HashMap::new();
+    let n = columns.len();
+    while let Some(b) = stream.next().await {
+        let b = delta::plain_types(&b.map_err(|e| StepError::Temporary(format!("reading bronze: {e}")))?)?;
+        let start = b.column(n).as_any().downcast_ref::<StringArray>().ok_or_else(|| StepError::Internal("_start_lsn".into()))?;
+        let cmd = b.column(n + 1).as_any().downcast_ref::<Int32Array>().ok_or_else(|| StepError::Internal("_command_id".into()))?;
+        let seq = b.column(n + 2).as_any().downcast_ref::<StringArray>().ok_or_else(|| StepError::Internal("_seqval".into()))?;
+        let op = b.column(n + 3).as_any().downcast_ref::<Int32Array>().ok_or_else(|| StepError::Internal("_operation".into()))?;
+        let mut mask = Vec::with_capacity(b.num_rows());
+        for i in 0..b.num_rows() {
+            let o = op.value(i);
+            if o == 3 || o == 4 {
+                let id = (start.value(i).to_string(), if cmd.is_null(i) { -1 } else { cmd.value(i) }, if seq.is_null(i) { String::new() } else { seq.value(i).to_string() });
+                let e = pairs.entry(id).or_default();
+                if o == 3 {
+                    e.0 = true;
+                } else {
+                    e.1 = true;
+                }
+            }
+            let l = Lsn::parse(start.value(i)).map_err(|e| StepError::Internal(format!("bronze _start_lsn: {e}")))?;
+            let key = || cut_idx.iter().map(|&c| value_at(b.column(c).as_ref(), i, &columns[c].sql_type)).collect::<Key>();
+            mask.push(counts(&base, key, l, applied, &new_chunks, rebuild));
+        }
+        let kept = filter_record_batch(&b, &BooleanArray::from(mask)).map_err(|e| StepError::Internal(format!("bronze images: {e}")))?;
+        if kept.num_rows() > 0 {
+            counted.push(kept);
+        }
+    }
+    let unpaired = pairs.values().filter(|(before, after)| *after && !*before).count();
+    if unpaired > 0 {
+        return Err(StepError::Config(format!(
+            "bronze holds {unpaired} update(s) of {} without a before-image (streamed with stream.row_filter = \"all\"), \
+             so silver of this table without a unique index cannot take the old rows out: keep stream.row_filter = \"all update old\" \
+             in {} and take a new snapshot (or stream into a new bronze target)",
+            ctx.workflow.table_name(),
+            ctx.workflow.path.display()
+        )));
+    }
+
+    // The silver rows a new chunk replaces: those of its range.
+    let mut replaced: Vec<RecordBatch> = Vec::new();
+    if let (Action::Waves { .. }, Base::Chunked { read, .. }) = (&d.action, &base) {
+        let fresh: Vec<ChunkPayload> = read.iter().filter(|c| new_chunks.contains(&c.chunk)).cloned().collect();
+        let sql = format!("SELECT {cols}, {count}, {start}, {ts} FROM t", count = ident(silver::COUNT), start = bronze::START_LSN, ts = bronze::COMMIT_TS);
+        let mut stream = delta::query_stream(silver_table, &sql).await?;
+        while let Some(b) = stream.next().await {
+            let b = delta::plain_types(&b.map_err(|e| StepError::Temporary(format!("reading silver: {e}")))?)?;
+            let mask: Vec<bool> = (0..b.num_rows())
+                .map(|i| {
+                    let key: Key = cut_idx.iter().map(|&c| value_at(b.column(c).as_ref(), i, &columns[c].sql_type)).collect();
+                    chunk_of(&fresh, &key).is_some()
+                })
+                .collect();
+            let kept = filter_record_batch(&b, &BooleanArray::from(mask)).map_err(|e| StepError::Internal(format!("silver rows: {e}")))?;
+            if kept.num_rows() > 0 {
+                // Their freshness does not carry over to what replaces them.
+                let mut arrays = kept.columns().to_vec();
+                for a in arrays.iter_mut().skip(n + 1) {
+                    *a = new_null_array(a.data_type(), kept.num_rows());
+                }
+                replaced.push(RecordBatch::try_new(kept.schema(), arrays).map_err(|e| StepError::Internal(format!("silver rows: {e}")))?);
+            }
+        }
+    }
+
+    // Snapshot rows: all of S for a rebuild, the new chunks' for waves.
+    let snapshot_rows = match (&d.action, &base) {
+        (Action::Rebuild { snapshot }, _) => Some(format!("{} = {} AND {} = 0", bronze::SNAPSHOT, lsn(*snapshot), bronze::OPERATION)),
+        (Action::Waves { snapshot, .. }, _) if !new_chunks.is_empty() => Some(format!(
+            "{} = {} AND {} = 0 AND {} IN ({})",
+            bronze::SNAPSHOT,
+            lsn(*snapshot),
+            bronze::OPERATION,
+            bronze::CHUNK,
+            new_chunks.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(", ")
+        )),
+        _ => None,
+    };
+    if snapshot_rows.is_none() && counted.is_empty() && replaced.is_empty() {
+        return Ok((0, 0, None));
+    }
+
+    // One session: bronze as `t`, the counted images and the replaced rows beside it.
+    let (_, state) = delta::dataframe(&ctx.bronze, "SELECT 1").await?;
+    let session = SessionContext::new_with_state(state);
+    let mut parts = Vec::new();
+    let (start, ts) = (bronze::START_LSN, bronze::COMMIT_TS);
+    if let Some(f) = &snapshot_rows {
+        parts.push(format!("SELECT {cols}, CAST(1 AS BIGINT) AS __w, {start}, {ts} FROM t WHERE {f}"));
+    }
+    for (name, batches) in [("__counted", counted), ("__replaced", replaced)] {
+        let Some(schema) = batches.first().map(|b| b.schema()) else { continue };
+        let mem = MemTable::try_new(schema, vec![batches]).map_err(|e| StepError::Internal(format!("apply's source: {e}")))?;
+        session.register_table(name, Arc::new(mem)).map_err(|e| StepError::Internal(format!("apply's source: {e}")))?;
+        parts.push(if name == "__counted" {
+            format!("SELECT {cols}, CASE WHEN {op} IN (1, 3) THEN CAST(-1 AS BIGINT) ELSE CAST(1 AS BIGINT) END AS __w, {start}, {ts} FROM {name}", op = bronze::OPERATION)
+        } else {
+            format!("SELECT {cols}, -{count} AS __w, {start}, {ts} FROM {name}", count = ident(silver::COUNT))
+        });
+    }
+    let sql = format!(
+        "SELECT {cols}, CAST(SUM(__w) AS BIGINT) AS {count}, MAX({start}) AS {start}, MAX({ts}) AS {ts} FROM ({parts}) AS parts GROUP BY {cols} HAVING SUM(__w) {keep}",
+        count = ident(silver::COUNT),
+        parts = parts.join(" UNION ALL "),
+        keep = if rebuild { "> 0" } else { "<> 0" },
+    );
+    let source = session.sql(&sql).await.map_err(|e| StepError::Internal(format!("apply's source failed to plan: {e}\n{sql}")))?;
+
+    let silver_label = ctx.workflow.target.silver.clone().unwrap_or_default();
+    let metadata = json!({
+        "kind": "silver_apply",
+        "shape": "heap",
+        "seq": d.next.seq,
+        "action": d.action,
+        "to": d.to,
+        "control": ControlRow { recorded_at: None, ..d.next.clone() },
+        "chunks": new_chunk_ids,
+    });
+    let props = delta::step_commit_properties(&txn_merge(&ctx.workflow.app_id, d.next.seq), metadata);
+    let count = format!("target.{}", ident(silver::COUNT));
+    let newest = |c: &str| format!("CASE WHEN source.{c} IS NOT NULL AND (target.{c} IS NULL OR source.{c} > target.{c}) THEN source.{c} ELSE target.{c} END");
+    let before = silver_table.version();
+    let mut builder = silver_table
+        .clone()
+        .merge(source, key_match(columns))
+        .with_source_alias("source")
+        .with_target_alias("target")
+        .with_session_state(Arc::new(session.state()))
+        .with_commit_properties(props);
+    let insert = |mut i: deltalake::operations::merge::InsertBuilder| {
+        for c in columns.iter().map(|c| c.name.as_str()).chain([silver::COUNT, start, ts]) {
+            i = i.set(Column::new_unqualified(c), format!("source.{}", ident(c)));
+        }
+        i
+    };
+    builder = if rebuild {
+        builder
+            .when_matched_update(|u| {
+                u.predicate(format!("{count} <> source.{c} OR target.{start} IS DISTINCT FROM source.{start}", c = ident(silver::COUNT)))
+                    .update(Column::new_unqualified(silver::COUNT), format!("source.{}", ident(silver::COUNT)))
+                    .update(Column::new_unqualified(start), format!("source.{start}"))
+                    .update(Column::new_unqualified(ts), format!("source.{ts}"))
+            })
+            .map_err(StepError::delta(&silver_label))?
+            .when_not_matched_insert(insert)
+            .map_err(StepError::delta(&silver_label))?
+            .when_not_matched_by_source_delete(|del| del)
+            .map_err(StepError::delta(&silver_label))?
+    } else {
+        builder
+            .when_matched_delete(|del| del.predicate(format!("{count} + source.{} <= 0", ident(silver::COUNT))))
+            .map_err(StepError::delta(&silver_label))?
+            .when_matched_update(|u| {
+                u.update(Column::new_unqualified(silver::COUNT), format!("{count} + source.{}", ident(silver::COUNT)))
+                    .update(Column::new_unqualified(start), newest(start))
+                    .update(Column::new_unqualified(ts), newest(ts))
+            })
+            .map_err(StepError::delta(&silver_label))?
+            // A net removal of a row silver lacks has nothing to take from
+            // (reconcile reports the difference it comes from).
+            .when_not_matched_insert(|i| insert(i.predicate(format!("source.{} > 0", ident(silver::COUNT)))))
+            .map_err(StepError::delta(&silver_label))?
+    };
+    let (table, metrics) = builder.await.map_err(StepError::delta(&silver_label))?;
+    *silver_table = table;
+    let after = silver_table.version();
+    let committed = if after != before { after.map(|v| v as i64) } else { None };
+    Ok(((metrics.num_target_rows_inserted + metrics.num_target_rows_updated) as i64, metrics.num_target_rows_deleted as i64, committed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::SqlValue;
+
+    fn lsn(n: u128) -> Lsn {
+        Lsn::from_u128(n)
+    }
+
+    fn chunk(c: i64, lo: Option<i64>, hi: Option<i64>, stamp: u128) -> ChunkPayload {
+        ChunkPayload {
+            chunk: c,
+            wave: 0,
+            lo: lo.map(|v| vec![SqlValue::Int(v)]),
+            hi: hi.map(|v| vec![SqlValue::Int(v)]),
+            last: hi.is_none(),
+            rows: 0,
+            stamp: lsn(stamp),
+            max_lsn: lsn(stamp),
+            read_ms: None,
+            rounds: 1,
+            bronze_version: None,
+        }
+    }
+
+    #[test]
+    fn an_image_counts_after_its_chunks_stamp_and_only_in_a_read_chunk() {
+        // Chunks 0 [-, 10) stamped 20 and 2 [20, -) stamped 40 are read; chunk 1 [10, 20) is not.
+        let read = vec![chunk(0, None, Some(10), 20), chunk(2, Some(20), None, 40)];
+        let base = Base::Chunked { s: lsn(10), keys: vec!["k".into()], read };
+        let k = |v: Option<i64>| move || vec![v.map(SqlValue::Int).unwrap_or(SqlValue::Null)];
+        let none = BTreeSet::new();
+        assert!(!counts(&base, k(Some(5)), lsn(15), None, &none, true), "before its chunk's stamp: the chunk holds it");
+        assert!(counts(&base, k(Some(5)), lsn(25), None, &none, true));
+        assert!(counts(&base, k(None), lsn(25), None, &none, true), "a NULL key is in the first chunk");
+        assert!(!counts(&base, k(Some(15)), lsn(99), None, &none, true), "chunk 1 is not read yet");
+        assert!(!counts(&base, k(Some(25)), lsn(35), None, &none, true), "before chunk 2's stamp");
+        // Incremental: after what silver applied, unless the chunk is new in this apply.
+        assert!(!counts(&base, k(Some(25)), lsn(45), Some(lsn(50)), &none, false));
+        assert!(counts(&base, k(Some(25)), lsn(45), Some(lsn(50)), &[2].into(), false), "a new chunk takes the changes after its stamp");
+        assert!(counts(&base, k(Some(25)), lsn(55), Some(lsn(50)), &none, false));
+        let full = Base::Full(lsn(10));
+        assert!(!counts(&full, Vec::new, lsn(10), None, &none, true));
+        assert!(counts(&full, Vec::new, lsn(11), None, &none, true));
+        assert!(!counts(&full, Vec::new, lsn(11), Some(lsn(12)), &none, false));
+        assert!(counts(&Base::None, Vec::new, lsn(1), None, &none, false));
+        // Above the last chunk's end: after S, once the last chunk is read.
+        let mut read = vec![chunk(0, None, Some(10), 20), chunk(1, Some(10), Some(20), 30)];
+        let open = Base::Chunked { s: lsn(10), keys: vec!["k".into()], read: read.clone() };
+        assert!(!counts(&open, k(Some(25)), lsn(15), None, &none, true), "the last chunk is not read yet");
+        read[1].last = true;
+        let done = Base::Chunked { s: lsn(10), keys: vec!["k".into()], read };
+        assert!(counts(&done, k(Some(25)), lsn(15), None, &none, true), "no chunk read it");
+        assert!(!counts(&done, k(Some(25)), lsn(10), None, &none, true));
+        assert!(counts(&done, k(Some(25)), lsn(15), Some(lsn(40)), &[1].into(), false), "counted from the apply that reads the last chunk");
+        assert!(!counts(&done, k(Some(25)), lsn(15), Some(lsn(40)), &none, false));
+    }
+
+    #[test]
+    fn a_key_finds_the_chunk_of_its_range() {
+        let read = vec![chunk(0, None, Some(10), 1), chunk(1, Some(10), Some(20), 1), chunk(3, Some(30), None, 1)];
+        let at = |v: Option<i64>| chunk_of(&read, &[v.map(SqlValue::Int).unwrap_or(SqlValue::Null)]).map(|c| c.chunk);
+        assert_eq!(at(None), Some(0));
+        assert_eq!(at(Some(-5)), Some(0));
+        assert_eq!(at(Some(10)), Some(1));
+        assert_eq!(at(Some(19)), Some(1));
+        assert_eq!(at(Some(25)), None, "chunk 2 is not read");
+        assert_eq!(at(Some(30)), Some(3));
+        assert_eq!(at(Some(i64::MAX)), Some(3));
+    }
+}

@@ -1,0 +1,333 @@
+//! Silver of a heap (a table without any unique index), end to end through
+//! the CLI binary.
+//!
+//! The table repeats values and holds fully identical rows; a chunked
+//! snapshot is cut on a repeated, nullable column; a writer inserts rows
+//! (copies of existing ones too), updates them (to new values, to the same
+//! values, and across chunks by changing the cut column) and deletes one
+//! occurrence of a row at a time, between `stream`, `backfill` and `apply`
+//! calls. After each apply once the snapshot is complete, silver read as a
+//! multiset (each distinct row `_count` times) must be the simulator's
+//! table: every column, every row. `reconcile` must be clean. And a heap
+//! streamed without before-images (`stream.row_filter = "all"`) is refused.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use deltalake::arrow::array::{Array, Int64Array};
+use deltalake::arrow::record_batch::RecordBatch;
+use deltalake::arrow::util::display::array_value_to_string;
+use futures::StreamExt;
+use mssql_cdc::delta;
+use mssql_cdc::sim::{SimDb, TableSpec};
+use mssql_cdc::source::{CdcSource, Isolation, KeyRange, SnapshotRead, TableName};
+use mssql_cdc::types::{value_at, ColumnDesc, SqlType, SqlValue};
+
+fn columns() -> Vec<ColumnDesc> {
+    vec![
+        ColumnDesc::new("grp", SqlType::Int, true),
+        ColumnDesc::new("tag", SqlType::NVarChar { len: Some(20) }, true),
+        ColumnDesc::new("amount", SqlType::Decimal { precision: 10, scale: 2 }, true),
+    ]
+}
+
+fn heap_row(grp: Option<i64>, tag: &str, amount: i64) -> Vec<SqlValue> {
+    vec![grp.map(SqlValue::Int).unwrap_or(SqlValue::Null), SqlValue::Str(tag.into()), SqlValue::Decimal { value: amount as i128, scale: 2 }]
+}
+
+struct Heap {
+    _dir: tempfile::TempDir,
+    db: SimDb,
+    table: TableName,
+    wf_path: PathBuf,
+    silver: String,
+    rng: u64,
+}
+
+impl Heap {
+    /// A heap of `rows` rows: `grp` repeats (NULL now and then) and whole rows repeat.
+    fn new(rows: i64, snapshot_toml: &str, row_filter: &str) -> Heap {
+        let dir = tempfile::tempdir().unwrap();
+        let db = SimDb::create(&dir.path().join("source.sqlite"), common::manual_config()).unwrap();
+        let table = TableName::new("dbo", "events");
+        db.create_table(&TableSpec { name: table.clone(), columns: columns(), primary_key: vec![], unique_index: vec![] }).unwrap();
+        let rows: Vec<Vec<SqlValue>> =
+            (0..rows).map(|i| heap_row(if i % 37 == 5 { None } else { Some(i % 12) }, &format!("t{}", i % 5), (i % 3) * 150)).collect();
+        db.load_rows(&table, rows.into_iter()).unwrap();
+        let ci = db.enable_cdc(&table, None, None).unwrap();
+        assert!(ci.index_columns.is_empty(), "a heap's capture instance has no index columns");
+        db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
+        db.capture().unwrap();
+        let wf_path = dir.path().join("events.toml");
+        std::fs::write(
+            &wf_path,
+            format!(
+                "app_id = \"events\"\n[source]\nurl = \"sim://source.sqlite\"\n[table]\nname = \"events\"\n\
+                 [target]\nbronze = \"bronze\"\nfacts = \"facts\"\nsilver = \"silver\"\n\
+                 [snapshot]\nbootstrap = true\nkeys = [\"grp\"]\n{snapshot_toml}\n[stream]\nrow_filter = \"{row_filter}\"\n"
+            ),
+        )
+        .unwrap();
+        let silver = dir.path().join("silver").to_string_lossy().into_owned();
+        Heap { _dir: dir, db, table, wf_path, silver, rng: 0x2545_f491_4f6c_dd1d }
+    }
+
+    fn next(&mut self) -> u64 {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        self.rng
+    }
+
+    fn run(&self, step: &[&str]) -> (Option<i32>, serde_json::Value, String) {
+        run_cli(&self.wf_path, step)
+    }
+
+    fn ok(&self, step: &[&str]) -> serde_json::Value {
+        let (code, r, err) = self.run(step);
+        assert_eq!(code, Some(0), "{step:?}: {r}\n{err}");
+        r
+    }
+
+    /// `n` transactions of the writer, each captured: inserts (new rows and
+    /// copies of existing ones), updates (new values, the same values, a new
+    /// `grp` that moves the row to another chunk) and deletes of one occurrence.
+    fn write(&mut self, rt: &tokio::runtime::Runtime, n: usize) {
+        for _ in 0..n {
+            let existing = rt.block_on(source_values(&self.db, &self.table));
+            let pick = self.next() % 10;
+            let victim = existing[(self.next() % existing.len() as u64) as usize].clone();
+            // Mostly the table's own values, now and then NULL or above the snapshot's MAX.
+            let g = self.next() % 14;
+            let grp = match g {
+                12 => None,
+                13 => Some(40 + (self.next() % 3) as i64),
+                _ => Some(g as i64),
+            };
+            let amount = (self.next() % 5) as i64 * 100;
+            let tag = format!("w{}", self.next() % 3);
+            let table = self.table.clone();
+            self.db
+                .transaction(|tx| match pick {
+                    0 | 1 => tx.insert(&table, heap_row(grp, &tag, amount)),
+                    2 => {
+                        // A copy of an existing row, twice in one transaction.
+                        tx.insert(&table, victim.clone())?;
+                        tx.insert(&table, victim.clone())
+                    }
+                    3 | 4 => {
+                        let mut new = victim.clone();
+                        new[2] = SqlValue::Decimal { value: amount as i128 + 1, scale: 2 };
+                        tx.update(&table, &victim, new)
+                    }
+                    5 => {
+                        let mut new = victim.clone();
+                        new[0] = grp.map(SqlValue::Int).unwrap_or(SqlValue::Null);
+                        tx.update(&table, &victim, new)
+                    }
+                    6 => tx.update(&table, &victim, victim.clone()),
+                    _ => tx.delete(&table, &victim),
+                })
+                .unwrap();
+            self.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
+            self.db.capture().unwrap();
+        }
+    }
+
+    /// Silver as a multiset must be the simulator's table.
+    fn assert_silver_is_the_table(&self, rt: &tokio::runtime::Runtime, when: &str) {
+        let source = rt.block_on(source_rows(&self.db, &self.table));
+        let silver = rt.block_on(silver_rows(&self.silver));
+        assert!(source.values().any(|n| *n > 1), "{when}: the table holds identical rows");
+        if silver != source {
+            let mut diff = Vec::new();
+            for k in source.keys().chain(silver.keys()) {
+                let (s, t) = (source.get(k).copied().unwrap_or(0), silver.get(k).copied().unwrap_or(0));
+                if s != t {
+                    diff.push(format!("{k}: table {s}, silver {t}"));
+                }
+            }
+            diff.dedup();
+            panic!("{when}: silver differs from the simulator's table in {} rows:\n{}", diff.len(), diff.join("\n"));
+        }
+    }
+}
+
+fn run_cli(wf_path: &Path, step: &[&str]) -> (Option<i32>, serde_json::Value, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mssql-cdc"))
+        .arg("--workflow")
+        .arg(wf_path)
+        .args(step)
+        .env("MSSQL_CDC_LOG", "warn")
+        .output()
+        .unwrap();
+    let last = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or("null").to_string();
+    (out.status.code(), serde_json::from_str(&last).unwrap_or_default(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn row_texts(batch: &RecordBatch, columns: &[ColumnDesc]) -> Vec<String> {
+    let arrays: Vec<_> = columns.iter().map(|c| batch.column(batch.schema().index_of(&c.name).unwrap()).clone()).collect();
+    (0..batch.num_rows())
+        .map(|r| {
+            arrays
+                .iter()
+                .map(|a| if a.is_null(r) { "\u{2400}NULL".to_string() } else { array_value_to_string(a.as_ref(), r).unwrap() })
+                .collect::<Vec<_>>()
+                .join(" | ")
+        })
+        .collect()
+}
+
+type Multiset = BTreeMap<String, i64>;
+
+fn read_all(table: &TableName) -> SnapshotRead {
+    SnapshotRead { table: table.clone(), columns: columns(), keys: vec![], range: KeyRange::all(), isolation: Isolation::ReadCommitted, batch_rows: 1000 }
+}
+
+/// The simulator's rows through its own reader (a SELECT of the whole table).
+async fn source_rows(db: &SimDb, table: &TableName) -> Multiset {
+    let mut stream = db.source().unwrap().snapshot_read(&read_all(table)).await.unwrap();
+    let mut out = Multiset::new();
+    while let Some(b) = stream.next().await {
+        for t in row_texts(&b.unwrap(), &columns()) {
+            *out.entry(t).or_default() += 1;
+        }
+    }
+    assert_eq!(out.values().sum::<i64>() as u64, db.row_count(table).unwrap());
+    out
+}
+
+/// The simulator's rows as values, for the writer to name them.
+async fn source_values(db: &SimDb, table: &TableName) -> Vec<Vec<SqlValue>> {
+    let mut stream = db.source().unwrap().snapshot_read(&read_all(table)).await.unwrap();
+    let mut out = Vec::new();
+    while let Some(b) = stream.next().await {
+        let b = b.unwrap();
+        for r in 0..b.num_rows() {
+            out.push(columns().iter().enumerate().map(|(i, c)| value_at(b.column(i).as_ref(), r, &c.sql_type)).collect());
+        }
+    }
+    out
+}
+
+/// Silver's rows, each distinct row `_count` times.
+async fn silver_rows(location: &str) -> Multiset {
+    let t = delta::open_existing(location, &Default::default()).await.unwrap().expect("silver exists");
+    let mut out = Multiset::new();
+    for b in delta::query(&t, "SELECT * FROM t").await.unwrap() {
+        let counts = b.column(b.schema().index_of("_count").unwrap()).as_any().downcast_ref::<Int64Array>().unwrap().clone();
+        for (i, t) in row_texts(&b, &columns()).into_iter().enumerate() {
+            assert!(!counts.is_null(i) && counts.value(i) > 0, "silver row {t} has count {:?}", counts.is_valid(i).then(|| counts.value(i)));
+            assert!(!out.contains_key(&t), "silver holds the distinct row {t} twice");
+            out.insert(t, counts.value(i));
+        }
+    }
+    out
+}
+
+fn reconcile_is_clean(h: &Heap) {
+    let (code, r, err) = h.run(&["reconcile"]);
+    assert_eq!(code, Some(0), "reconcile: {r}\n{err}");
+    assert_eq!((r["clean"].as_bool(), r["differences"].as_u64()), (Some(true), Some(0)), "{r}");
+    assert_eq!(r["counts"]["IN_FLIGHT"], 0, "everything was applied: {r}");
+}
+
+#[test]
+fn a_chunked_heap_with_identical_rows_is_a_multiset_in_silver() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut h = Heap::new(400, "mode = \"chunked\"\nchunk_rows = 40\nparallelism = 2\ntarget_wave_seconds = 0", "all update old");
+    let r = h.ok(&["stream"]);
+    assert!(r.is_object(), "{r}");
+    let mut waves = 0;
+    loop {
+        h.write(&rt, 6);
+        h.ok(&["stream"]);
+        let b = h.ok(&["backfill", "--max-waves", "1"]);
+        waves += 1;
+        h.write(&rt, 3);
+        h.ok(&["stream"]);
+        let a = h.ok(&["apply"]);
+        if b["done"] == true {
+            break;
+        }
+        assert_eq!(a["snapshot_state"], "open", "{a}");
+        assert!(waves < 50, "backfill never finished");
+    }
+    assert!(waves > 2, "the snapshot took several waves ({waves})");
+    h.ok(&["stream"]);
+    let a = h.ok(&["apply"]);
+    assert_eq!(a["snapshot_state"], "complete", "{a}");
+    h.assert_silver_is_the_table(&rt, "after the chunked snapshot's completion");
+    reconcile_is_clean(&h);
+    // Changes after the completion, applied in several calls.
+    for round in 0..3 {
+        h.write(&rt, 12);
+        h.ok(&["stream"]);
+        let a = h.ok(&["apply"]);
+        assert_eq!(a["action"], "changes", "{a}");
+        h.assert_silver_is_the_table(&rt, &format!("after changes round {round}"));
+    }
+    reconcile_is_clean(&h);
+}
+
+#[test]
+fn a_heap_after_a_full_snapshot_is_a_multiset_in_silver() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut h = Heap::new(200, "mode = \"full\"", "all update old");
+    h.ok(&["stream"]);
+    let a = h.ok(&["apply"]);
+    assert_eq!(a["action"], "rebuild", "{a}");
+    h.assert_silver_is_the_table(&rt, "after the bootstrap");
+    for round in 0..4 {
+        h.write(&rt, 10);
+        h.ok(&["stream"]);
+        h.ok(&["apply"]);
+        h.assert_silver_is_the_table(&rt, &format!("after changes round {round}"));
+    }
+    reconcile_is_clean(&h);
+    // A row taken out of silver behind apply's back is a difference reconcile reports.
+    rt.block_on(async {
+        let t = delta::open_existing(&h.silver, &Default::default()).await.unwrap().unwrap();
+        t.update().with_predicate("_count > 1").with_update("_count", "_count - 1").await.unwrap();
+    });
+    let (code, r, _) = h.run(&["reconcile"]);
+    assert_eq!(code, Some(3), "{r}");
+    assert!(r["counts"]["MISSING_TARGET"].as_u64().unwrap_or(0) >= 1, "{r}");
+}
+
+#[test]
+fn a_heap_streamed_without_before_images_is_refused_before_anything_is_written() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut h = Heap::new(50, "mode = \"full\"", "all");
+    h.ok(&["stream"]);
+    h.write(&rt, 5);
+    // An update for certain: bronze gets its after-image only.
+    let victim = rt.block_on(source_values(&h.db, &h.table))[0].clone();
+    let mut new = victim.clone();
+    new[1] = SqlValue::Str("updated".into());
+    let table = h.table.clone();
+    h.db.transaction(|tx| tx.update(&table, &victim, new)).unwrap();
+    h.db.capture().unwrap();
+    h.ok(&["stream"]);
+    let (code, r, _) = h.run(&["apply"]);
+    assert_eq!(code, Some(2), "{r}");
+    let e = r["error"].as_str().unwrap_or_default();
+    assert!(e.contains("stream.row_filter") && e.contains("all update old"), "the error names the option and its value: {e}");
+    assert!(!Path::new(&h.silver).exists(), "nothing written");
+    // With the option set now, bronze still lacks that update's before-image: refused too.
+    let text = std::fs::read_to_string(&h.wf_path).unwrap().replace("row_filter = \"all\"", "row_filter = \"all update old\"");
+    std::fs::write(&h.wf_path, text).unwrap();
+    let (code, r, _) = h.run(&["apply"]);
+    assert_eq!(code, Some(2), "{r}");
+    let e = r["error"].as_str().unwrap_or_default();
+    assert!(e.contains("before-image") && e.contains("all update old"), "{e}");
+    let rows = rt.block_on(async {
+        match delta::open_existing(&h.silver, &Default::default()).await.unwrap() {
+            Some(t) => delta::query(&t, "SELECT COUNT(*) FROM t").await.unwrap()[0].column(0).as_any().downcast_ref::<Int64Array>().unwrap().value(0),
+            None => 0,
+        }
+    });
+    assert_eq!(rows, 0, "no silver row written");
+}
