@@ -220,3 +220,27 @@ async fn every_method_against_a_server() {
     exec(&mut a, &format!("EXEC sys.sp_cdc_disable_table @source_schema = N'dbo', @source_name = N'{name}', @capture_instance = N'all'")).await;
     exec(&mut a, &format!("DROP TABLE dbo.[{name}]")).await;
 }
+
+/// Columns the catalog must never lose or pass off as something else: a
+/// `geography` column (system_type_id 240) and a computed column, each
+/// captured, make `capture_instances` refuse the instance by the column's name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a SQL Server with CDC: set MSSQL_CDC_TEST_URL and MSSQL_CDC_TEST_PASSWORD, run with --ignored"]
+async fn captured_columns_that_cannot_be_replicated_are_refused() {
+    let (url, password) = server_under_test();
+    let mut a = admin(&url, &password).await;
+    exec(&mut a, "IF (SELECT is_cdc_enabled FROM sys.databases WHERE name = DB_NAME()) = 0 EXEC sys.sp_cdc_enable_db").await;
+    let src = MssqlSource::connect(&url, SourceSecrets { password: Some(password.clone()) }).await.expect("source connects");
+    for (column_sql, column) in [("shape geography NULL", "shape"), ("total AS (id * 2)", "total")] {
+        let name = format!("cdc_cat_{}", uuid::Uuid::new_v4().simple().to_string().get(..8).unwrap_or("x"));
+        exec(&mut a, &format!("CREATE TABLE dbo.[{name}] (id int NOT NULL PRIMARY KEY, {column_sql})")).await;
+        exec(&mut a, &format!("EXEC sys.sp_cdc_enable_table @source_schema = N'dbo', @source_name = N'{name}', @role_name = NULL")).await;
+        let got = src.capture_instances(&TableName::new("dbo", &name)).await;
+        exec(&mut a, &format!("EXEC sys.sp_cdc_disable_table @source_schema = N'dbo', @source_name = N'{name}', @capture_instance = N'all'")).await;
+        exec(&mut a, &format!("DROP TABLE dbo.[{name}]")).await;
+        match got {
+            Err(SourceError::Config(m)) => assert!(m.contains(&format!("'{column}'")), "{m}"),
+            other => panic!("{column_sql}: expected a refusal naming '{column}', got {other:?}"),
+        }
+    }
+}

@@ -565,6 +565,37 @@ fn catalog_column(r: &Row, first: usize) -> Result<(String, Result<SqlType, Stri
     Ok((name, convert::sql_type_from_catalog(&type_name, max_length, precision, scale), nullable))
 }
 
+/// One row of `sql::captured_columns` as the column it captures, or the
+/// reason it cannot be replicated.
+fn captured_column(r: &Row, capture_instance: &str, table: &TableName) -> Result<ColumnDesc, SourceError> {
+    let (col, ty, nullable) = catalog_column(r, 1)?;
+    if convert::row_i64(r, 7)?.unwrap_or(0) != 0 {
+        return Err(SourceError::Config(computed_column_refusal(capture_instance, table, &col)));
+    }
+    let ty = ty.map_err(|e| {
+        SourceError::Config(format!(
+            "capture instance '{capture_instance}' of {table} captures column '{col}', whose type this program cannot replicate ({e}); \
+             recreate the instance with @captured_column_list leaving it out"
+        ))
+    })?;
+    Ok(ColumnDesc::new(col, ty, nullable))
+}
+
+/// Why a captured computed column is refused. CDC writes NULL for a computed
+/// column in every change row while a snapshot reads its value, so silver
+/// would hold the value until the row's first change and NULL after it. Of
+/// the two ways to make the sources agree (NULL in snapshots too, or leave
+/// the column out), only the user can choose to leave it out, and a column
+/// that is always NULL is not what anyone capturing it expects.
+fn computed_column_refusal(capture_instance: &str, table: &TableName, column: &str) -> String {
+    format!(
+        "capture instance '{capture_instance}' of {table} captures the computed column '{column}': SQL Server writes NULL for it in \
+         every change row, so it cannot be replicated. Recreate the instance with @captured_column_list leaving '{column}' out \
+         (sys.sp_cdc_enable_table with a new @capture_instance, then sys.sp_cdc_disable_table for the old one once the stream \
+         has switched); a view or a silver-side expression can compute it again"
+    )
+}
+
 #[async_trait]
 impl CdcSource for MssqlSource {
     fn describe(&self) -> String {
@@ -652,14 +683,7 @@ impl CdcSource for MssqlSource {
                 if convert::row_str(r, 0)?.as_deref() != Some(name.as_str()) {
                     continue;
                 }
-                let (col, ty, nullable) = catalog_column(r, 1)?;
-                let ty = ty.map_err(|e| {
-                    SourceError::Config(format!(
-                        "capture instance '{name}' of {table} captures column '{col}', whose type this program cannot replicate ({e}); \
-                         recreate the instance with @captured_column_list leaving it out"
-                    ))
-                })?;
-                columns.push(ColumnDesc::new(col, ty, nullable));
+                columns.push(captured_column(r, &name, table)?);
             }
             let mut index_columns = Vec::new();
             for r in &idx {
@@ -917,5 +941,36 @@ mod tests {
             .err()
             .unwrap();
         assert!(matches!(e, SourceError::Transient(_)), "{e}");
+    }
+
+    /// A row of `sql::captured_columns`, as the server sends it.
+    fn captured_row(column: &str, type_name: &str, max_len: i32, computed: bool) -> Row {
+        use tiberius::{ColumnData, ColumnType};
+        let text = |v: &str| ColumnData::String(Some(v.to_string().into()));
+        Row::builder()
+            .column("capture_instance", ColumnType::NVarchar, text("dbo_t"))
+            .column("column_name", ColumnType::NVarchar, text(column))
+            .column("type_name", ColumnType::NVarchar, text(type_name))
+            .column("max_len", ColumnType::Int4, ColumnData::I32(Some(max_len)))
+            .column("num_precision", ColumnType::Int4, ColumnData::I32(Some(0)))
+            .column("num_scale", ColumnType::Int4, ColumnData::I32(Some(0)))
+            .column("is_nullable", ColumnType::Bit, ColumnData::Bit(Some(true)))
+            .column("is_computed", ColumnType::Bit, ColumnData::Bit(Some(computed)))
+            .build()
+    }
+
+    #[test]
+    fn captured_columns_that_cannot_be_replicated_are_refused_by_name() {
+        let t = TableName::new("dbo", "t");
+        let ok = captured_column(&captured_row("note", "varchar", 20, false), "dbo_t", &t).unwrap();
+        assert_eq!(ok, ColumnDesc::new("note", SqlType::VarChar { len: Some(20) }, true));
+        // A computed column is NULL in every change row: refused, naming the fix.
+        let e = captured_column(&captured_row("total", "int", 4, true), "dbo_t", &t).unwrap_err();
+        assert!(matches!(&e, SourceError::Config(m) if m.contains("'total'") && m.contains("computed") && m.contains("@captured_column_list")), "{e}");
+        // CLR types come back under their own names (sql::captured_columns) and are refused.
+        for clr in ["geography", "geometry", "hierarchyid"] {
+            let e = captured_column(&captured_row("shape", clr, -1, false), "dbo_t", &t).unwrap_err();
+            assert!(matches!(&e, SourceError::Config(m) if m.contains("'shape'") && m.contains("@captured_column_list")), "{clr}: {e}");
+        }
     }
 }

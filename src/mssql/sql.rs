@@ -156,15 +156,26 @@ pub fn decrement_lsn(lsn: Lsn) -> Statement {
     Statement::new("SELECT sys.fn_cdc_decrement_lsn(@P1) AS lsn".into(), vec![SqlValue::Bytes(lsn.0.to_vec())])
 }
 
+/// How a column's catalog row finds the name of its type. An alias type
+/// (`sysname`, or one made with `CREATE TYPE … FROM`) is named by its base
+/// type, so the join goes through `system_type_id`. CLR types (`geography`,
+/// `geometry`, `hierarchyid` and user CLR types) all have `system_type_id`
+/// 240, which no `sys.types` row has as its `user_type_id`: joined the first
+/// way, such a column would vanish from the result without a trace. They are
+/// joined by their own `user_type_id`, so they come back under their real
+/// name and are refused by name (`convert::sql_type_from_catalog`).
+const TYPE_OF_COLUMN: &str = "ty.user_type_id = CASE WHEN c.system_type_id = 240 THEN c.user_type_id ELSE c.system_type_id END";
+
 /// The columns of a user table with their base types, in column order.
 /// Columns: name, type_name, max_length, precision, scale, is_nullable.
 pub fn table_columns(t: &TableName) -> Statement {
     Statement::new(
-        "SELECT c.name, ty.name AS type_name, CAST(c.max_length AS int) AS max_len, CAST(c.precision AS int) AS num_precision, \
+        format!(
+            "SELECT c.name, ty.name AS type_name, CAST(c.max_length AS int) AS max_len, CAST(c.precision AS int) AS num_precision, \
          CAST(c.scale AS int) AS num_scale, c.is_nullable \
-         FROM sys.columns AS c JOIN sys.types AS ty ON ty.user_type_id = c.system_type_id \
+         FROM sys.columns AS c JOIN sys.types AS ty ON {TYPE_OF_COLUMN} \
          WHERE c.object_id = OBJECT_ID(@P1, N'U') ORDER BY c.column_id"
-            .into(),
+        ),
         vec![object_name_value(t)],
     )
 }
@@ -204,21 +215,24 @@ pub fn database_cdc_enabled() -> Statement {
 
 /// The captured columns of every instance of the table, with the types the
 /// change table holds them in, in column ordinal order; nullability from the
-/// source column while it exists. Columns: capture_instance, column_name,
-/// type_name, max_length, precision, scale, is_nullable.
+/// source column while it exists; whether the column is computed (CDC writes
+/// NULL for a computed column in every change row). Columns:
+/// capture_instance, column_name, type_name, max_length, precision, scale,
+/// is_nullable, is_computed.
 pub fn captured_columns(t: &TableName) -> Statement {
     Statement::new(
-        "SELECT ct.capture_instance, cc.column_name, ty.name AS type_name, CAST(c.max_length AS int) AS max_len, \
+        format!(
+            "SELECT ct.capture_instance, cc.column_name, ty.name AS type_name, CAST(c.max_length AS int) AS max_len, \
          CAST(c.precision AS int) AS num_precision, CAST(c.scale AS int) AS num_scale, \
-         CAST(COALESCE(sc.is_nullable, 1) AS bit) AS is_nullable \
+         CAST(COALESCE(sc.is_nullable, 1) AS bit) AS is_nullable, CAST(COALESCE(cc.is_computed, 0) AS bit) AS is_computed \
          FROM cdc.change_tables AS ct \
          JOIN cdc.captured_columns AS cc ON cc.object_id = ct.object_id \
          JOIN sys.columns AS c ON c.object_id = ct.object_id AND c.name = cc.column_name \
-         JOIN sys.types AS ty ON ty.user_type_id = c.system_type_id \
+         JOIN sys.types AS ty ON {TYPE_OF_COLUMN} \
          LEFT JOIN sys.columns AS sc ON sc.object_id = ct.source_object_id AND sc.name = cc.column_name \
          WHERE ct.source_object_id = OBJECT_ID(@P1, N'U') \
          ORDER BY ct.capture_instance, cc.column_ordinal"
-            .into(),
+        ),
         vec![object_name_value(t)],
     )
 }
@@ -712,5 +726,17 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn clr_typed_columns_are_not_lost_by_the_catalog_join() {
+        // geography, geometry and hierarchyid have system_type_id 240, which is
+        // no sys.types row's user_type_id: joining on it alone drops them.
+        let t = TableName::new("dbo", "t");
+        for s in [table_columns(&t), captured_columns(&t)] {
+            assert!(!s.sql.contains("ty.user_type_id = c.system_type_id "), "{}", s.sql);
+            assert!(s.sql.contains("WHEN c.system_type_id = 240 THEN c.user_type_id"), "{}", s.sql);
+        }
+        assert!(captured_columns(&t).sql.contains("cc.is_computed"));
     }
 }
