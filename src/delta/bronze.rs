@@ -170,30 +170,82 @@ fn conform(batch: &RecordBatch, bronze: &SchemaRef, meta: &[(&str, ArrayRef)]) -
         }
         let idx = batch.schema().fields().iter().position(|bf| bf.name().eq_ignore_ascii_case(f.name()));
         match idx {
-            Some(i) => {
-                let a = batch.column(i);
-                if a.data_type() != f.data_type() {
-                    let cast = deltalake::arrow::compute::cast(a, f.data_type()).map_err(|e| {
-                        StepError::NeedsPerson(format!(
-                            "column '{}' arrives as {} but bronze holds {}: {e}. A type change needs a new capture instance and a migration",
-                            f.name(),
-                            a.data_type(),
-                            f.data_type()
-                        ))
-                    })?;
-                    arrays.push(cast);
-                } else {
-                    arrays.push(a.clone());
-                }
-            }
+            Some(i) => arrays.push(exact_cast(batch.column(i), f)?),
             None => arrays.push(deltalake::arrow::array::new_null_array(f.data_type(), n)),
         }
     }
     RecordBatch::try_new(bronze.clone(), arrays).map_err(|e| StepError::Internal(format!("bronze batch: {e}")))
 }
 
+/// A column as bronze's field holds it, or an error if that would change a
+/// value. A captured column whose type changed at the source arrives in its
+/// new type (SQL Server applies a type change to the change table too) while
+/// bronze keeps the old one. Arrow's default cast turns a value that does not
+/// fit into NULL and rounds decimals to the smaller scale, both silently; here
+/// the cast must be exact: it runs with `safe: false` (overflow is an error)
+/// and the result is cast back and compared with what arrived, which also
+/// catches rounding. A widening that keeps every value (int to bigint in
+/// bronze, say) passes value by value.
+fn exact_cast(arrived: &ArrayRef, field: &Field) -> StepResult<ArrayRef> {
+    use deltalake::arrow::compute::{cast_with_options, CastOptions};
+    if arrived.data_type() == field.data_type() {
+        return Ok(arrived.clone());
+    }
+    let refuse = |why: String| {
+        StepError::NeedsPerson(format!(
+            "column '{}' arrives as {} but bronze holds it as {}, and {why}. The column's type changed at the source: \
+             create a new capture instance, then re-snapshot into a new bronze table (or widen this bronze's column by hand)",
+            field.name(),
+            arrived.data_type(),
+            field.data_type()
+        ))
+    };
+    let strict = CastOptions { safe: false, ..Default::default() };
+    let cast = cast_with_options(arrived, field.data_type(), &strict).map_err(|e| refuse(format!("a value does not fit ({e})")))?;
+    let back = cast_with_options(&cast, arrived.data_type(), &strict).map_err(|e| refuse(format!("a value does not fit ({e})")))?;
+    if back.to_data() != arrived.to_data() {
+        let row = (0..arrived.len()).find(|&r| back.slice(r, 1).to_data() != arrived.slice(r, 1).to_data()).unwrap_or(0);
+        return Err(refuse(format!("row {row} of the batch would change value")));
+    }
+    Ok(cast)
+}
+
 fn lsn_of(bytes: &[u8]) -> Lsn {
     let mut b = [0u8; 10];
     b.copy_from_slice(&bytes[..10]);
     Lsn(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use deltalake::arrow::array::{Decimal128Array, Int32Array};
+
+    fn conform_one(arrived: ArrayRef, bronze_type: DataType) -> StepResult<RecordBatch> {
+        let batch = RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("amount", arrived.data_type().clone(), true)])), vec![arrived])
+            .unwrap();
+        conform(&batch, &Arc::new(Schema::new(vec![Field::new("amount", bronze_type, true)])), &[])
+    }
+
+    #[test]
+    fn a_type_change_at_the_source_never_changes_a_value_silently() {
+        // int widened to bigint at the source, bronze still int: a value past
+        // i32::MAX must stop the step, not land as NULL.
+        let e = conform_one(Arc::new(Int64Array::from(vec![Some(1), None, Some(3_000_000_000)])), DataType::Int32).unwrap_err();
+        assert!(matches!(&e, StepError::NeedsPerson(m) if m.contains("'amount'") && m.contains("capture instance")), "{e}");
+        // Values that still fit pass, NULLs included.
+        let ok = conform_one(Arc::new(Int64Array::from(vec![Some(1), None, Some(-7)])), DataType::Int32).unwrap();
+        assert_eq!(ok.column(0).as_any().downcast_ref::<Int32Array>().unwrap(), &Int32Array::from(vec![Some(1), None, Some(-7)]));
+        // decimal(12,4) arriving at a decimal(10,2) bronze: 1.2345 would round to 1.23.
+        let d = Decimal128Array::from(vec![Some(12_345i128)]).with_precision_and_scale(12, 4).unwrap();
+        let e = conform_one(Arc::new(d), DataType::Decimal128(10, 2)).unwrap_err();
+        assert!(matches!(&e, StepError::NeedsPerson(m) if m.contains("row 0")), "{e}");
+        // The same type with a value that is exact at the smaller scale passes.
+        let d = Decimal128Array::from(vec![Some(12_300i128)]).with_precision_and_scale(12, 4).unwrap();
+        let ok = conform_one(Arc::new(d), DataType::Decimal128(10, 2)).unwrap();
+        assert_eq!(ok.column(0).as_any().downcast_ref::<Decimal128Array>().unwrap().value(0), 123);
+        // A narrower type arriving at a wider bronze column always fits.
+        let ok = conform_one(Arc::new(Int32Array::from(vec![Some(i32::MIN), None])), DataType::Int64).unwrap();
+        assert_eq!(ok.column(0).as_any().downcast_ref::<Int64Array>().unwrap().value(0), i32::MIN as i64);
+    }
 }
