@@ -1516,6 +1516,56 @@ impl SimDb {
         })
     }
 
+    /// `ALTER TABLE … ALTER COLUMN <column> <new type>` on a non-key column:
+    /// every row's value is converted (a value the new type cannot hold fails
+    /// the statement, as SQL Server's conversion does), and, as SQL Server
+    /// documents for CDC, the change is carried to the change table of every
+    /// instance that captures the column, so change rows read from then on
+    /// arrive in the new type.
+    pub fn alter_column_type(&self, table: &TableName, column: &str, new_type: SqlType) -> Result<()> {
+        self.write(|c, p| {
+            let mut t = find_table(c, p, table)?;
+            let i = t.column_index(column).ok_or_else(|| SimError::NoSuchColumn { table: t.spec.name.to_string(), column: column.into() })?;
+            if t.key_cols.contains(&i) || t.uk_cols.contains(&i) {
+                return Err(SimError::BadArgument(format!("column '{column}' is part of a key of {}; this model alters non-key columns only", t.spec.name)));
+            }
+            let rows: Vec<(Vec<u8>, String)> = {
+                let mut st = c.prepare("SELECT sk, data FROM rows WHERE table_id = ?1").ctx(p)?;
+                let v = st.query_map([t.id], |r| Ok((r.get(0)?, r.get(1)?))).ctx(p)?.collect::<rusqlite::Result<Vec<_>>>().ctx(p)?;
+                v
+            };
+            let mut altered = t.spec.columns[i].clone();
+            altered.sql_type = new_type.clone();
+            {
+                let mut up = c.prepare("UPDATE rows SET data = ?3 WHERE table_id = ?1 AND sk = ?2").ctx(p)?;
+                for (sk, data) in rows {
+                    let mut row = t.decode_row(&data)?;
+                    row[i] = coerce_value(row[i].clone(), &new_type).map_err(|m| bad(&t, &altered, m))?;
+                    up.execute(params![t.id, sk, serde_json::to_string(&row).expect("values serialise")]).ctx(p)?;
+                }
+            }
+            t.spec.columns[i] = altered;
+            c.execute("UPDATE src_tables SET spec = ?2 WHERE id = ?1", params![t.id, serde_json::to_string(&t.spec).expect("spec serialises")])
+                .ctx(p)?;
+            for inst in load_instances(c, p, Some(t.id))? {
+                let mut columns = inst.info.columns.clone();
+                let mut touched = false;
+                for col in columns.iter_mut().filter(|col| col.name.eq_ignore_ascii_case(column)) {
+                    col.sql_type = new_type.clone();
+                    touched = true;
+                }
+                if touched {
+                    c.execute(
+                        "UPDATE instances SET columns = ?2 WHERE id = ?1",
+                        params![inst.id, serde_json::to_string(&columns).expect("columns serialise")],
+                    )
+                    .ctx(p)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
     /// Runs the capture job once (all due transactions, in LSN order, one transaction).
     pub fn capture(&self) -> Result<CaptureReport> {
         capture_conn(&mut self.conn(), &self.path)
