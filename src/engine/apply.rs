@@ -194,25 +194,25 @@ pub fn waves_in_facts(facts: &[FactRow], s: Lsn) -> BTreeMap<i64, BTreeSet<i64>>
     out
 }
 
-/// Whether a full snapshot of the current generation is open (no rows to
-/// apply before its completion, but the verdict waits for it).
-fn full_open(facts: &[FactRow], st: &StreamState) -> bool {
-    facts.iter().any(|r| {
-        r.event.as_deref() == Some(EVENT_SNAPSHOT_OPEN)
-            && r.generation == st.generation
-            && r.detail.as_ref().and_then(|d| d.get("mode")).and_then(Value::as_str) != Some("chunked")
-            && r.min_lsn.is_some_and(|s| !chunked::is_completed(facts, s))
-    })
+/// Decides what one apply does (pure): from silver's last control row and
+/// this app id's facts rows, not knowing where CDC cleanup is (see
+/// [`decide_with_cleanup`]).
+pub fn decide(app: &str, last: Option<&ControlRow>, facts: &[FactRow]) -> Decision {
+    decide_with_cleanup(app, last, facts, None)
 }
 
-/// Decides what one apply does (pure): from silver's last control row and
-/// this app id's facts rows.
-pub fn decide(app: &str, last: Option<&ControlRow>, facts: &[FactRow]) -> Decision {
+/// [`decide`] with the capture instance's min LSN. A full snapshot holds
+/// the verdict (no rows to apply before its completion, but the verdict
+/// waits for it) by the rule every step uses,
+/// `engine::chunked::full_holding_mode`: once cleanup has passed its S it
+/// can never complete, and a verdict held for it would stay held forever
+/// while `status`, `seed` and the snapshot steps already count it as dead.
+pub fn decide_with_cleanup(app: &str, last: Option<&ControlRow>, facts: &[FactRow], min_lsn: Option<Lsn>) -> Decision {
     let st = StreamState::derive(app, facts, None);
     let seq = last.map(|c| c.seq + 1).unwrap_or(0);
     let completed = newest_completed(facts);
     let open = open_chunked(facts);
-    let held = open.is_some() || full_open(facts, &st);
+    let held = open.is_some() || chunked::full_holding_mode(facts, min_lsn).is_some();
     let applied = last.and_then(|c| c.applied_lsn);
     let mut to = st.position();
     if let Some(c) = completed {
@@ -729,7 +729,8 @@ pub async fn run(ctx: &mut Context) -> StepResult<ApplyResult> {
     ctx.facts.update_state().await.map_err(StepError::delta(&ctx.workflow.target.facts))?;
     ctx.bronze.update_state().await.map_err(StepError::delta(&ctx.workflow.target.bronze))?;
     let facts = state::facts_rows(&ctx.facts, &app).await?;
-    let d = decide(&app, last.as_ref(), &facts);
+    let min_lsn = ctx.source.min_lsn(&ctx.instance.name).await?;
+    let d = decide_with_cleanup(&app, last.as_ref(), &facts, min_lsn);
     let mut chunks: Vec<ChunkPayload> = Vec::new();
     let mut range_deletes = false;
     if let Action::Waves { snapshot, waves, .. } = &d.action {

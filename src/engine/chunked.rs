@@ -211,6 +211,53 @@ pub fn mode_conflict(open: &Opened, wanted: Mode) -> StepError {
     ))
 }
 
+/// Refuses to go on with (and so to complete) the chunked snapshot `open`
+/// when the stream of its generation has a gap after S: the changes right
+/// after the stream's position were purged by CDC cleanup. Bronze can then
+/// never hold every change after S (P3), so adr-0028 gives the snapshot up
+/// and a newer one replaces it: the stream's recovery opens it in the next
+/// generation (`on_data_loss = "resnapshot"`, adr-0018's Amendment), and
+/// this one never completes. A completion written over the gap would be
+/// taken by `apply` and `reconcile` for a whole image of the table.
+/// With "resnapshot" the call is for later (exit 75, after `stream`); with
+/// "fail" or "skip" (which a chunked snapshot refuses) a person decides.
+pub async fn refuse_over_stream_gap(
+    source: &SharedSource,
+    instance: &str,
+    rows: &[FactRow],
+    open: &Opened,
+    on_data_loss: crate::workflow::OnDataLoss,
+    workflow: &std::path::Path,
+) -> StepResult<()> {
+    let st = state::StreamState::derive("", rows, None);
+    let Some(position) = st.position() else { return Ok(()) };
+    let min = source.min_lsn(instance).await?;
+    let max = source.max_lsn().await?;
+    if !super::snapshot::is_purged_after(position, min, max) {
+        return Ok(());
+    }
+    let min = min.expect("a purged range has a min LSN");
+    let wf = workflow.display();
+    let head = format!(
+        "the stream of generation {} stands at {position} and the changes after it were purged by CDC cleanup (capture instance \
+         '{instance}', min LSN now {min}): the chunked snapshot opened at {} can never hold every change after its start, so \
+         backfill does not complete it (nothing was written)",
+        open.generation, open.s
+    );
+    Err(match on_data_loss {
+        crate::workflow::OnDataLoss::Resnapshot => StepError::Temporary(format!(
+            "{head}. Call `mssql-cdc --workflow {wf} stream`: with stream.on_data_loss = \"resnapshot\" it recovers with a newer \
+             snapshot in generation {}, which backfill then reads",
+            open.generation + 1
+        )),
+        _ => StepError::NeedsPerson(format!(
+            "{head}. Set stream.on_data_loss = \"resnapshot\" and call `mssql-cdc --workflow {wf} stream`: it recovers with a \
+             newer snapshot in generation {}, which replaces this one and which backfill then reads",
+            open.generation + 1
+        )),
+    })
+}
+
 /// The payload of a chunked open's plans row: the columns the chunks are cut
 /// on and their extent at S.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -464,6 +511,16 @@ pub async fn ensure_open_with_gap(ctx: &mut Context, kind: &str, generation: i32
     };
     append_plans(&mut plans_table, &app, vec![prow], &txn_open_plans(&app, s)).await?;
     failpoint!("chunked.after_open_plans");
+    // 28.82: a full run that passed its own check before ours and wrote its
+    // open since (it is still reading) stops this open before its commit
+    // point, the facts row below; the plans row alone is keyed by S and
+    // read by nobody. The other order is `engine::snapshot::take_full`'s
+    // re-check after its own open.
+    ctx.facts.update_state().await.map_err(StepError::delta(&ctx.workflow.target.facts))?;
+    let rows = state::facts_rows(&ctx.facts, &app).await?;
+    if let Some(full) = full_holding_mode(&rows, min) {
+        return Err(mode_conflict(&full, Mode::Chunked));
+    }
     let mut row = ctx.fact_row(generation);
     row.event = Some(EVENT_SNAPSHOT_OPEN.into());
     row.min_lsn = Some(s);
@@ -704,6 +761,17 @@ struct Sink {
     done: BTreeSet<i64>,
     rows_total: i64,
     waves_total: BTreeSet<i64>,
+    /// What the completion checks first ([`refuse_over_stream_gap`]).
+    gap_check: GapCheck,
+}
+
+/// The source and settings [`refuse_over_stream_gap`] needs, owned by the sink.
+struct GapCheck {
+    source: SharedSource,
+    instance: String,
+    open: Opened,
+    on_data_loss: crate::workflow::OnDataLoss,
+    workflow: std::path::PathBuf,
 }
 
 /// What committing a wave did.
@@ -811,6 +879,14 @@ impl Sink {
         if self.done.len() < self.chunks_total {
             return Ok(false);
         }
+        // The stream may have hit a purged range since this call started.
+        self.facts.update_state().await.map_err(StepError::delta(self.facts.table_url().to_string()))?;
+        let rows = state::facts_rows(&self.facts, &self.app).await?;
+        if is_completed(&rows, self.s) {
+            return Ok(true);
+        }
+        let g = &self.gap_check;
+        refuse_over_stream_gap(&g.source, &g.instance, &rows, &g.open, g.on_data_loss, &g.workflow).await?;
         let mut row = self.header.clone();
         row.recorded_at = Some(Utc::now());
         row.event = Some(if self.kind == EVENT_RESNAPSHOT { EVENT_RESNAPSHOT } else { EVENT_BOOTSTRAP }.into());
@@ -922,6 +998,8 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
     };
     result.snapshot = Some(o.s);
     result.generation = o.generation;
+    // A gap in the stream after S ruins the snapshot: no chunk is worth reading.
+    refuse_over_stream_gap(&ctx.source, &ctx.instance.name, &rows, &o, ctx.workflow.stream.on_data_loss, &ctx.workflow.path).await?;
     let isolation = args.isolation.unwrap_or(ctx.workflow.snapshot.isolation);
     let mut plans_table = open_plans(ctx).await?;
     let location = plans::location_for(&ctx.workflow.target.bronze);
@@ -967,6 +1045,13 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         done: prog.done.keys().copied().collect(),
         rows_total: prog.done.values().sum(),
         waves_total: prog.waves.clone(),
+        gap_check: GapCheck {
+            source: ctx.source.clone(),
+            instance: ctx.instance.name.clone(),
+            open: o.clone(),
+            on_data_loss: ctx.workflow.stream.on_data_loss,
+            workflow: ctx.workflow.path.clone(),
+        },
     };
 
     // Repair: a wave whose bronze or plans rows are in without its facts rows.

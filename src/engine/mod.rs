@@ -146,16 +146,6 @@ impl Context {
             })?,
             None => instances.last().cloned().expect("non-empty"),
         };
-        if let Some(keys) = &workflow.snapshot.keys {
-            for k in keys {
-                if instance.column(k).is_none() {
-                    return Err(StepError::Config(format!(
-                        "snapshot.keys names '{k}', which capture instance '{}' does not capture",
-                        instance.name
-                    )));
-                }
-            }
-        }
         let zone = source.server_time_zone().await?;
         // Look at both targets before creating either, so a bad one writes nothing.
         let (bronze_existing, facts_existing) = match access {
@@ -179,6 +169,31 @@ impl Context {
         if let Some(f) = facts_existing.as_mut() {
             delta::check_kind_and_migrate(f, &workflow.target.facts, TableKind::Facts, &facts_schema).await?;
             identity::check_facts_belong(f, &workflow).await?;
+        }
+        // snapshot.keys must be captured by the instance the stream is on
+        // (`engine::switch`), the one every snapshot step reads: during a
+        // switch the newest instance may lack a key column the stream still
+        // reads (refusing would keep the stream from reaching the switch), or
+        // add one bronze does not hold yet.
+        let stream_instance = match (&workflow.table.capture_instance, facts_existing.as_ref()) {
+            (None, Some(f)) => {
+                let rows = state::facts_rows(f, &workflow.app_id).await?;
+                switch::current(switch::recorded_instance(&rows).as_deref(), &instances, &instance).clone()
+            }
+            _ => instance.clone(),
+        };
+        if let Some(keys) = &workflow.snapshot.keys {
+            for k in keys {
+                if stream_instance.column(k).is_none() {
+                    return Err(StepError::Config(format!(
+                        "snapshot.keys names '{k}', which capture instance '{}' (the one the stream is on) does not capture: \
+                         set snapshot.keys in {} to columns it captures ({})",
+                        stream_instance.name,
+                        workflow.path.display(),
+                        stream_instance.columns.iter().map(|c| c.name.as_str()).collect::<Vec<_>>().join(", ")
+                    )));
+                }
+            }
         }
         let (bronze, facts) = match access {
             Access::ReadOnly => (
