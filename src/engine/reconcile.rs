@@ -1,9 +1,17 @@
 //! The `reconcile` step: is silver the source table, as of what silver applied?
 //!
-//! Tier 1 compares cheap aggregates: with one integer key, the row count and
-//! the exact key sum per bucket of the key on both sides (one GROUP BY on the
-//! source, [`crate::source::CdcSource::bucket_sums`]); with any other key, the
-//! whole table is one bucket. Tier 2 reads every mismatched bucket and a
+//! Tier 1 compares cheap aggregates: with one integer or date key, the row
+//! count and the exact key sum per bucket of the key on both sides (one
+//! GROUP BY on the source, [`crate::source::CdcSource::bucket_sums`], or for a
+//! date key [`crate::source::CdcSource::date_bucket_sums`] over microseconds
+//! from 0001-01-01, the unit silver holds); with any other key, the row count
+//! of the whole table, counted on the source (`COUNT_BIG(*)`,
+//! [`crate::source::CdcSource::row_count`]) so tier 1 costs one number
+//! whatever the table's size, and the whole table is the one bucket tier 2
+//! may read. A date key's buckets are whole days (a `date`), minutes
+//! (`smalldatetime`) or seconds (`datetime`): bounds the column holds exactly,
+//! so a tier 2 range read on the source holds the rows its bucket counted.
+//! Tier 2 reads every mismatched bucket and a
 //! sample of the matching ones through the snapshot reader, hashes each row
 //! on both sides with the same function (SHA-256 of a canonical encoding,
 //! [`row_hash`]) and classifies each key that differs:
@@ -13,7 +21,9 @@
 //! - `IN_FLIGHT`: any of those, for a key with a change silver has not
 //!   applied yet: in bronze after silver's applied LSN, or in the change
 //!   table after bronze's position up to the max LSN read after the source
-//!   reads (adr-0028 Amendment 2). Keys compare null-safely (a NULL key
+//!   reads (adr-0028 Amendment 2), read as the stream reads it: each capture
+//!   instance's piece of that range ([`super::switch::plan`]), and only the
+//!   key columns (the heap's: every column). Keys compare null-safely (a NULL key
 //!   column is a value of its own), and the report writes it as null.
 //!
 //! A key met twice on one side is a difference of its own (a map keyed on
@@ -62,8 +72,8 @@ use crate::delta::{self, bronze, plans, silver, sql_str, TableKind, Txn};
 use crate::error::{StepError, StepResult};
 use crate::failpoint;
 use crate::lsn::Lsn;
-use crate::source::{KeyRange, RowFilter, SnapshotRead, SourceError};
-use crate::types::{as_stored, value_at, ColumnDesc, Key, SqlValue};
+use crate::source::{self as src, CaptureInstance, KeyRange, RowFilter, SnapshotRead, SourceError};
+use crate::types::{as_stored, value_at, ColumnDesc, Key, SqlType, SqlValue};
 
 pub const MISSING_TARGET: &str = "MISSING_TARGET";
 pub const MISSING_SOURCE: &str = "MISSING_SOURCE";
@@ -85,8 +95,10 @@ pub struct ReconcileResult {
     /// Differences other than IN_FLIGHT.
     pub differences: u64,
     pub counts: BTreeMap<String, u64>,
-    /// `buckets` (one integer key) or `count` (the whole table as one bucket).
+    /// `buckets` (one integer or date key) or `count` (the whole table's row count).
     pub tier1: &'static str,
+    /// The width of a tier 1 bucket: key units, or microseconds for a date key.
+    pub bucket_width: Option<i64>,
     pub buckets: usize,
     pub buckets_mismatched: usize,
     pub buckets_compared: usize,
@@ -417,18 +429,73 @@ pub fn repeated_keys(source: &[(Key, String)], target: &[(Key, String)], bucket:
     source.iter().map(|(k, h)| one(MISSING_TARGET, "source", k, h)).chain(target.iter().map(|(k, h)| one(MISSING_SOURCE, "silver", k, h))).collect()
 }
 
-/// A SQL predicate over silver for a tier 2 range of one integer key.
+/// A SQL predicate over silver for a tier 2 range of one integer or date key.
 fn range_sql(key: &str, range: &KeyRange) -> String {
     let k = ident(key);
-    let lo = match range.lo.as_ref().and_then(|l| l.first()).and_then(SqlValue::as_i64) {
+    let lo = match range.lo.as_ref().and_then(|l| l.first()).and_then(silver_literal) {
         Some(v) => format!("{k} >= {v}"),
         None => "TRUE".into(),
     };
-    let hi = match range.hi.as_ref().and_then(|h| h.first()).and_then(SqlValue::as_i64) {
+    let hi = match range.hi.as_ref().and_then(|h| h.first()).and_then(silver_literal) {
         Some(v) => format!("({k} < {v} OR {k} IS NULL)"),
         None => "TRUE".into(),
     };
     format!("{lo} AND {hi}")
+}
+
+/// A bucket bound as a literal of silver's key column: an integer, a DATE,
+/// or a TIMESTAMP to the microsecond (bucket bounds are whole microseconds).
+fn silver_literal(v: &SqlValue) -> Option<String> {
+    match v {
+        SqlValue::Int(i) => Some(i.to_string()),
+        SqlValue::Date(d) => Some(format!("CAST('{}' AS DATE)", d.format("%Y-%m-%d"))),
+        SqlValue::DateTime(t) => Some(format!("CAST('{}' AS TIMESTAMP)", t.format("%Y-%m-%dT%H:%M:%S%.6f"))),
+        _ => None,
+    }
+}
+
+/// A tier 1 key value as a number on the bucket grid: the integer itself,
+/// or a date's microseconds from 0001-01-01 (rounded down, as silver holds it).
+fn key_ordinal(v: &SqlValue) -> Option<i64> {
+    match v {
+        SqlValue::Int(i) => Some(*i),
+        other => src::micros_since_year_one(other),
+    }
+}
+
+/// The grid unit of a tier 1 key, in its ordinal: 1 for an integer; for a
+/// date type the finest step whose bounds the column holds exactly, so a
+/// bucket bound sent to the source (cast to the column's type) is not
+/// rounded into the next bucket: a day for `date`, a minute for
+/// `smalldatetime`, a second for `datetime` (1/300 s ticks), a microsecond
+/// for `datetime2`.
+fn bucket_unit(t: &SqlType) -> i64 {
+    match t {
+        SqlType::Date => 86_400_000_000,
+        SqlType::SmallDateTime => 60_000_000,
+        SqlType::DateTime => 1_000_000,
+        _ => 1,
+    }
+}
+
+/// The grid of `buckets` buckets over `[lo, hi]` (ordinals): the start,
+/// aligned down to the unit, and the width, a whole number of units (pure).
+pub fn bucket_grid(lo: i64, hi: i64, buckets: u32, unit: i64) -> (i64, i64) {
+    let unit = unit.max(1) as i128;
+    let start = lo as i128 - (lo as i128).rem_euclid(unit);
+    let span = hi as i128 - start + 1;
+    let per = (span + buckets.max(1) as i128 - 1) / buckets.max(1) as i128;
+    let width = ((per + unit - 1) / unit * unit).max(unit);
+    (start as i64, i64::try_from(width).unwrap_or(i64::MAX))
+}
+
+/// A bucket bound as a value of the key's column.
+fn bound_value(ordinal: i64, t: &SqlType) -> Option<SqlValue> {
+    if t.is_integer() {
+        Some(SqlValue::Int(ordinal))
+    } else {
+        src::from_micros_since_year_one(ordinal, t)
+    }
 }
 
 /// The key texts of bronze's changes after `after` (all changes when None).
@@ -452,34 +519,73 @@ async fn bronze_changed_keys(bronze_table: &DeltaTable, keys: &[ColumnDesc], aft
 }
 
 /// The key texts of the change table's changes in `(position, max]`: what
-/// the stream has not read yet (keys only, through the stream's own read).
+/// the stream has not read yet, read as the stream reads it (adr-0028
+/// Amendment 2, ADR 0023): the stream's instance up to the LSN before a newer
+/// instance's start, then the newer one from its start ([`super::switch::plan`],
+/// the rule the stream moves by), so a lag that spans a switch is read whole
+/// even once the older instance is dropped, and no change is read twice.
+/// Each read asks for `columns` only (keys; a heap's every column), what the
+/// IN_FLIGHT match needs: a stream far behind sends keys, not rows. A piece
+/// the change table no longer holds (cleanup, a dropped instance) is logged
+/// and skipped; the other pieces still count.
+#[allow(clippy::too_many_arguments)]
 async fn change_table_keys(
     ctx: &Context,
-    keys: &[ColumnDesc],
+    instances: &[CaptureInstance],
+    columns: &[ColumnDesc],
     position: Option<Lsn>,
     max: Option<Lsn>,
     filter: RowFilter,
     id: fn(&[SqlValue]) -> String,
 ) -> StepResult<HashSet<String>> {
     let mut out = HashSet::new();
-    let (Some(max), Some(pos)) = (max, position) else { return Ok(out) };
-    if pos >= max {
-        return Ok(out);
+    let (Some(max), Some(mut pos)) = (max, position) else { return Ok(out) };
+    let mut on = ctx.instance.clone();
+    while pos < max {
+        let upto = match super::switch::plan(pos, &on, instances) {
+            super::switch::InstancePlan::Switch { to } => {
+                on = to;
+                continue;
+            }
+            super::switch::InstancePlan::Stay { upto } => upto,
+        };
+        let to = upto.map_or(max, |u| u.min(max));
+        let from = ctx.source.increment_lsn(pos).await?;
+        if from <= to {
+            let mut piece = on.clone();
+            piece.columns = columns.iter().filter_map(|c| on.column(&c.name).cloned()).collect();
+            read_change_keys(ctx, &piece, columns, from, to, filter, id, &mut out).await?;
+        }
+        pos = to;
     }
-    let from = ctx.source.increment_lsn(pos).await?;
-    let mut stream = match ctx.source.changes(&ctx.instance, from, max, filter, 8192).await {
+    Ok(out)
+}
+
+/// One piece of [`change_table_keys`]: one instance, `[from, to]`.
+#[allow(clippy::too_many_arguments)]
+async fn read_change_keys(
+    ctx: &Context,
+    piece: &CaptureInstance,
+    columns: &[ColumnDesc],
+    from: Lsn,
+    to: Lsn,
+    filter: RowFilter,
+    id: fn(&[SqlValue]) -> String,
+    out: &mut HashSet<String>,
+) -> StepResult<()> {
+    let mut stream = match ctx.source.changes(piece, from, to, filter, 8192).await {
         Ok(s) => s,
-        Err(SourceError::RangeUnavailable { .. }) => {
-            tracing::warn!(%pos, %max, "the change table no longer holds the stream's lag (cleanup): IN_FLIGHT counts bronze's changes only");
-            return Ok(out);
+        Err(SourceError::RangeUnavailable { reason, .. }) => {
+            tracing::warn!(instance = %piece.name, %from, %to, %reason, "the change table no longer holds this piece of the stream's lag: IN_FLIGHT counts bronze's changes for it");
+            return Ok(());
         }
         Err(e) => return Err(e.into()),
     };
     while let Some(b) = stream.next().await {
         let b = b?;
-        let idx: Vec<Option<usize>> = keys.iter().map(|k| b.schema().fields().iter().position(|f| f.name().eq_ignore_ascii_case(&k.name))).collect();
+        let idx: Vec<Option<usize>> = columns.iter().map(|k| b.schema().fields().iter().position(|f| f.name().eq_ignore_ascii_case(&k.name))).collect();
         for r in 0..b.num_rows() {
-            let key: Key = keys
+            let key: Key = columns
                 .iter()
                 .zip(&idx)
                 .map(|(k, i)| match i {
@@ -490,7 +596,7 @@ async fn change_table_keys(
             out.insert(id(&key));
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Checks the newest chunked snapshot's recorded chunks against its plan and bronze.
@@ -539,7 +645,7 @@ async fn chunk_checks(ctx: &Context, facts: &[FactRow]) -> StepResult<(Option<Ls
 
 /// The `reconcile` step.
 pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
-    super::switch::follow_stream(ctx).await?;
+    let instances = super::switch::follow_stream(ctx).await?;
     let is_heap = apply::heap::is_heap(ctx);
     let keys = if is_heap { vec![] } else { apply::silver_keys(ctx)? };
     let app = ctx.workflow.app_id.clone();
@@ -574,14 +680,16 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     let key_names: Vec<String> = keys.iter().map(|k| k.name.clone()).collect();
 
     // Tier 1.
-    let integer = !is_heap && keys.len() == 1 && keys[0].sql_type.is_integer();
+    let bucketed = !is_heap && keys.len() == 1 && (keys[0].sql_type.is_integer() || src::is_date_key(&keys[0].sql_type));
     let mut ranges: Vec<(Option<i64>, KeyRange)> = Vec::new();
-    let (mut rows_source, mut rows_target) = (0u64, 0u64);
+    let (mut rows_source, mut rows_target): (u64, u64);
     let (tier1, n_buckets, n_mismatched);
-    if integer {
+    let mut bucket_width = None;
+    if bucketed {
         let k = &keys[0].name;
+        let key_type = keys[0].sql_type.clone();
         let src_ext = ctx.source.key_extent(&table, &key_names, iso).await?;
-        let ext_sql = format!("SELECT CAST(MIN({k}) AS BIGINT), CAST(MAX({k}) AS BIGINT) FROM t", k = ident(k));
+        let ext_sql = format!("SELECT MIN({k}), MAX({k}) FROM t", k = ident(k));
         let tb = delta::query(&silver_table, &ext_sql).await?;
         let mut lo: Option<i64> = None;
         let mut hi: Option<i64> = None;
@@ -592,35 +700,39 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
             }
         };
         if let Some((a, b)) = &src_ext {
-            widen(a.first().and_then(SqlValue::as_i64));
-            widen(b.first().and_then(SqlValue::as_i64));
+            widen(a.first().and_then(key_ordinal));
+            widen(b.first().and_then(key_ordinal));
         }
         for b in &tb {
+            let b = delta::plain_types(b)?;
             for col in 0..2 {
-                let a = i64_col(b, col)?;
                 for i in 0..b.num_rows() {
-                    widen(if a.is_null(i) { None } else { Some(a.value(i)) });
+                    widen(key_ordinal(&value_at(b.column(col).as_ref(), i, &key_type)));
                 }
             }
         }
         let mut src: BTreeMap<i64, (u64, i128)> = BTreeMap::new();
         let mut tgt: BTreeMap<i64, (u64, i128)> = BTreeMap::new();
         let mut width = 1i64;
+        let mut grid_start = None;
         if let (Some(lo), Some(hi)) = (lo, hi) {
-            let span = hi as i128 - lo as i128 + 1;
-            width = i64::try_from((span + opts.buckets as i128 - 1) / opts.buckets as i128).unwrap_or(i64::MAX).max(1);
-            for (start, n, sum) in ctx.source.bucket_sums(&table, k, lo, hi, width, iso).await? {
+            let (start, w) = bucket_grid(lo, hi, opts.buckets, bucket_unit(&key_type));
+            let lo = start;
+            width = w;
+            grid_start = Some(lo);
+            let sums = if key_type.is_integer() {
+                ctx.source.bucket_sums(&table, k, lo, hi, width, iso).await?
+            } else {
+                ctx.source.date_bucket_sums(&table, k, lo, hi, width, iso).await?
+            };
+            for (start, n, sum) in sums {
                 src.insert(start, (n, sum));
             }
-            let mut stream = delta::query_stream(&silver_table, &format!("SELECT CAST({} AS BIGINT) FROM t", ident(k))).await?;
+            let mut stream = delta::query_stream(&silver_table, &format!("SELECT {} FROM t", ident(k))).await?;
             while let Some(b) = stream.next().await {
-                let b = b.map_err(|e| StepError::Temporary(format!("reading silver: {e}")))?;
-                let a = i64_col(&b, 0)?;
+                let b = delta::plain_types(&b.map_err(|e| StepError::Temporary(format!("reading silver: {e}")))?)?;
                 for i in 0..b.num_rows() {
-                    if a.is_null(i) {
-                        continue;
-                    }
-                    let v = a.value(i);
+                    let Some(v) = key_ordinal(&value_at(b.column(0).as_ref(), i, &key_type)) else { continue };
                     let start = (lo as i128 + ((v as i128 - lo as i128) / width as i128) * width as i128) as i64;
                     let e = tgt.entry(start).or_default();
                     e.0 += 1;
@@ -628,6 +740,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
                 }
             }
         }
+        bucket_width = grid_start.map(|_| width);
         rows_source = src.values().map(|v| v.0).sum();
         rows_target = tgt.values().map(|v| v.0).sum();
         let (chosen, mismatched) = buckets_to_compare(&src, &tgt, opts.sample_fraction, run);
@@ -648,16 +761,35 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         }
         for b in chosen {
             // The first bucket also takes NULL keys and keys below the extent; the last, keys above it.
-            let lo_b = if Some(b) == first { None } else { Some(vec![SqlValue::Int(b)]) };
-            let hi_b = if Some(b) == last { None } else { b.checked_add(width).map(|h| vec![SqlValue::Int(h)]) };
+            let lo_b = if Some(b) == first { None } else { bound_value(b, &key_type).map(|v| vec![v]) };
+            let hi_b = if Some(b) == last { None } else { b.checked_add(width).and_then(|h| bound_value(h, &key_type)).map(|v| vec![v]) };
             ranges.push((Some(b), KeyRange { lo: lo_b, hi: hi_b }));
         }
         tier1 = "buckets";
     } else {
-        ranges.push((None, KeyRange::all()));
+        // One row count for the whole table: the source counts its rows, so
+        // no row crosses unless tier 2 reads the table (a count mismatch, or
+        // the sample). A heap's silver counts its rows in `_count`.
+        rows_source = ctx.source.row_count(&table, iso).await?;
+        let count_sql = if is_heap { format!("SELECT CAST(SUM({}) AS BIGINT) FROM t", ident(silver::COUNT)) } else { "SELECT COUNT(*) FROM t".to_string() };
+        rows_target = 0;
+        for b in delta::query(&silver_table, &count_sql).await? {
+            let b = delta::plain_types(&b)?;
+            for i in 0..b.num_rows() {
+                if let Some(n) = value_at(b.column(0).as_ref(), i, &SqlType::BigInt).as_i64() {
+                    rows_target += n.max(0) as u64;
+                }
+            }
+        }
+        let whole = |n: u64| -> BTreeMap<i64, (u64, i128)> { [(0, (n, 0))].into() };
+        let (chosen, mismatched) = buckets_to_compare(&whole(rows_source), &whole(rows_target), opts.sample_fraction, run);
+        // A heap's rows are compared whole every run: with no key, a sample has nothing to cut on.
+        if is_heap || !chosen.is_empty() {
+            ranges.push((None, KeyRange::all()));
+        }
         tier1 = "count";
         n_buckets = 1;
-        n_mismatched = 0;
+        n_mismatched = mismatched;
     }
 
     // Tier 2.
@@ -689,7 +821,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
             add_rows(&mut source_side, &mut source_repeated, &b?, &columns, &key_idx, true);
         }
         let cols = columns_silver_holds(&silver_table, &columns)?;
-        let filter = if integer { range_sql(&keys[0].name, range) } else { "TRUE".into() };
+        let filter = if bucketed { range_sql(&keys[0].name, range) } else { "TRUE".into() };
         let mut target_side = Side::new();
         let mut stream = delta::query_stream(&silver_table, &format!("SELECT {} FROM t WHERE {filter}", cols.join(", "))).await?;
         while let Some(b) = stream.next().await {
@@ -697,10 +829,6 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
             add_rows(&mut target_side, &mut target_repeated, &b, &columns, &key_idx, false);
         }
         rows_compared += (source_side.len() + source_repeated.len()).max(target_side.len() + target_repeated.len()) as u64;
-        if !integer {
-            rows_source = (source_side.len() + source_repeated.len()) as u64;
-            rows_target = (target_side.len() + target_repeated.len()) as u64;
-        }
         repeated.extend(repeated_keys(&source_repeated, &target_repeated, *bucket));
         compared.push((*bucket, source_side, target_side));
     }
@@ -711,7 +839,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     let (flight_cols, id, filter): (&[ColumnDesc], fn(&[SqlValue]) -> String, RowFilter) =
         if is_heap { (&columns, row_hash, RowFilter::AllUpdateOld) } else { (&keys, key_text, RowFilter::All) };
     let mut in_flight = bronze_changed_keys(&ctx.bronze, flight_cols, applied, id).await?;
-    in_flight.extend(change_table_keys(ctx, flight_cols, st.position(), source_max, filter, id).await?);
+    in_flight.extend(change_table_keys(ctx, &instances, flight_cols, st.position(), source_max, filter, id).await?);
     let mut diffs: Vec<Difference> = Vec::new();
     if let Some((source_counts, target_counts)) = &heap_counts {
         diffs.extend(classify_heap(source_counts, target_counts, &in_flight));
@@ -742,7 +870,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     };
     let mut rows = vec![ReportRow {
         class: "SUMMARY".into(),
-        detail: Some(json!({"counts": counts, "clean": clean, "tier1": tier1, "buckets": n_buckets, "buckets_mismatched": n_mismatched,
+        detail: Some(json!({"counts": counts, "clean": clean, "tier1": tier1, "buckets": n_buckets, "bucket_width": bucket_width, "buckets_mismatched": n_mismatched,
                             "buckets_compared": ranges.len(), "rows_source": rows_source, "rows_target": rows_target, "rows_compared": rows_compared,
                             "chunk_snapshot": chunk_snapshot, "chunks_checked": chunks_checked})),
         ..header.clone()
@@ -750,7 +878,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     let samples: Vec<Value> = diffs
         .iter()
         .take(20)
-        .map(|d| json!({"class": d.class, "key": d.key.as_ref().map(|k| key_json(report_keys, k)), "chunk": d.chunk, "detail": d.detail}))
+        .map(|d| json!({"class": d.class, "key": d.key.as_ref().map(|k| key_json(report_keys, k)), "bucket": d.bucket, "chunk": d.chunk, "detail": d.detail}))
         .collect();
     for d in diffs.iter().take(opts.max_report_rows) {
         rows.push(ReportRow {
@@ -775,6 +903,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         differences,
         counts,
         tier1,
+        bucket_width,
         buckets: n_buckets,
         buckets_mismatched: n_mismatched,
         buckets_compared: ranges.len(),

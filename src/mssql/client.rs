@@ -884,6 +884,46 @@ impl CdcSource for MssqlSource {
             })),
         }
     }
+
+    async fn row_count(&self, table: &TableName, isolation: Isolation) -> Result<u64, SourceError> {
+        let rows = self.rows(&sql::row_count(table), isolation).await?;
+        let n = match rows.first() {
+            Some(r) => convert::row_i64(r, 0)?.unwrap_or(0),
+            None => 0,
+        };
+        u64::try_from(n).map_err(|_| SourceError::Other(format!("COUNT_BIG answered {n}")))
+    }
+
+    async fn date_bucket_sums(
+        &self,
+        table: &TableName,
+        key: &str,
+        lo: i64,
+        hi: i64,
+        width: i64,
+        isolation: Isolation,
+    ) -> Result<Vec<(i64, u64, i128)>, SourceError> {
+        if width <= 0 {
+            return Err(SourceError::Other(format!("bucket width must be positive, not {width}")));
+        }
+        if lo > hi {
+            return Ok(vec![]);
+        }
+        let rows = self.rows(&sql::date_bucket_sums(table, key, lo, hi, width), isolation).await?;
+        rows.iter()
+            .map(|r| {
+                let start = convert::row_i64(r, 0)?.unwrap_or_default();
+                let n = convert::row_i64(r, 1)?.unwrap_or_default() as u64;
+                let d = r.get_column_data(2).map_err(|e| SourceError::Other(e.to_string()))?;
+                let sum = match convert::column_value(d, &SqlType::Decimal { precision: 38, scale: 0 }).map_err(SourceError::Other)? {
+                    SqlValue::Decimal { value, scale: 0 } => value,
+                    SqlValue::Int(v) => v as i128,
+                    other => return Err(SourceError::Other(format!("unexpected key sum {other}"))),
+                };
+                Ok((start, n, sum))
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]

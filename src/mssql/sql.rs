@@ -533,6 +533,36 @@ pub fn set_isolation(level: crate::source::Isolation) -> &'static str {
     }
 }
 
+/// Reconcile's tier 1 for a key that is not one integer or date column:
+/// the table's rows, counted on the server. Column: n.
+pub fn row_count(table: &TableName) -> Statement {
+    Statement::new(format!("SELECT COUNT_BIG(*) AS n FROM {}", quote_table(table)), vec![])
+}
+
+/// Reconcile's tier 1 for one date or date-and-time key: [`bucket_sums`]
+/// over the microseconds from 0001-01-01 to each value
+/// (`DATEDIFF_BIG(MICROSECOND, ...)` counts the microsecond boundaries
+/// crossed, so a datetime2(7) value is rounded down, as silver holds it; the
+/// largest, 9999-12-31, is about 3.2e17 and fits bigint). NULL keys are not
+/// counted. Columns: slice_start, n, key_sum (decimal(38,0)).
+pub fn date_bucket_sums(table: &TableName, key: &str, lo: i64, hi: i64, width: i64) -> Statement {
+    let mut p = Params::default();
+    let (lo_p, hi_p, w_p) = (p.bind(SqlValue::Int(lo)), p.bind(SqlValue::Int(hi)), p.bind(SqlValue::Int(width)));
+    let k = quote_ident(key);
+    Statement::new(
+        format!(
+            "SELECT s.slice_start, COUNT_BIG(*) AS n, SUM(s.k) AS key_sum FROM (\
+             SELECT CAST({lo_p} + (d.dist - d.dist % {w_p}) AS bigint) AS slice_start, d.k FROM (\
+             SELECT CAST(x.us AS decimal(38,0)) AS k, CAST(x.us AS decimal(38,0)) - {lo_p} AS dist FROM (\
+             SELECT DATEDIFF_BIG(MICROSECOND, CAST('00010101' AS datetime2(7)), {k}) AS us FROM {t} WHERE {k} IS NOT NULL) AS x \
+             WHERE x.us BETWEEN {lo_p} AND {hi_p}) AS d) AS s \
+             GROUP BY s.slice_start ORDER BY s.slice_start",
+            t = quote_table(table),
+        ),
+        p.0,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -738,5 +768,12 @@ mod tests {
             assert!(s.sql.contains("WHEN c.system_type_id = 240 THEN c.user_type_id"), "{}", s.sql);
         }
         assert!(captured_columns(&t).sql.contains("cc.is_computed"));
+    }
+
+    #[test]
+    fn reconcile_tier1_statements() {
+        let t = odd_table();
+        golden("row_count", &row_count(&t));
+        golden("date_bucket_sums", &date_bucket_sums(&t, "day ]", 63_900_000_000_000_000, 63_999_999_999_999_999, 86_400_000_000));
     }
 }

@@ -827,4 +827,53 @@ impl CdcSource for SimSource {
     async fn server_time_zone(&self) -> Result<ServerZone, SourceError> {
         self.call(|_, p, cfg| cfg.zone().map_err(|e| map_err(p, e))).await
     }
+
+    async fn row_count(&self, table: &TableName, isolation: Isolation) -> Result<u64, SourceError> {
+        let name = table.clone();
+        self.call(move |c, p, cfg| {
+            check_isolation(cfg, isolation, p)?;
+            let t = self::table(c, p, &name)?;
+            let n: i64 = c.query_row("SELECT count(*) FROM rows WHERE table_id = ?1", [t.id], |r| r.get(0)).map_err(sql_err(p))?;
+            Ok(n as u64)
+        })
+        .await
+    }
+
+    async fn date_bucket_sums(
+        &self,
+        table: &TableName,
+        key: &str,
+        lo: i64,
+        hi: i64,
+        width: i64,
+        isolation: Isolation,
+    ) -> Result<Vec<(i64, u64, i128)>, SourceError> {
+        let (name, key) = (table.clone(), key.to_string());
+        self.call(move |c, p, cfg| {
+            check_isolation(cfg, isolation, p)?;
+            if width <= 0 {
+                return Err(SourceError::Config(format!("bucket width must be positive, got {width}")));
+            }
+            let tx = c.transaction().map_err(sql_err(p))?;
+            let t = self::table(&tx, p, &name)?;
+            let pos = key_positions(&t, std::slice::from_ref(&key))?[0];
+            if !crate::source::is_date_key(&t.spec.columns[pos].sql_type) {
+                return Err(SourceError::Config(format!("column '{key}' of {} is not a date or datetime column", t.spec.name)));
+            }
+            let mut sums: std::collections::BTreeMap<i64, (u64, i128)> = Default::default();
+            // Every row's stored value (as DATEDIFF_BIG reads the column, not an index).
+            let plan = RangePlan { lo: vec![], hi: None, exact: false, ordered: false };
+            scan_rows(&tx, p, &t, &plan, |row| {
+                if let Some(v) = crate::source::micros_since_year_one(&row[pos]).filter(|v| *v >= lo && *v <= hi) {
+                    let start = (lo as i128 + ((v as i128 - lo as i128) / width as i128) * width as i128) as i64;
+                    let e = sums.entry(start).or_default();
+                    e.0 += 1;
+                    e.1 += v as i128;
+                }
+                Ok(true)
+            })?;
+            Ok(sums.into_iter().map(|(k, (n, s))| (k, n, s)).collect())
+        })
+        .await
+    }
 }

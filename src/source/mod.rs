@@ -410,6 +410,64 @@ pub trait CdcSource: Send + Sync {
 
     /// The zone of the server's clock.
     async fn server_time_zone(&self) -> Result<ServerZone, SourceError>;
+
+    /// Reconcile's tier 1 for a key that is not one integer or date column
+    /// (adr-0028): the table's row count, `COUNT_BIG(*)` on the server, so
+    /// the count costs one number however big the table is.
+    async fn row_count(&self, table: &TableName, isolation: Isolation) -> Result<u64, SourceError>;
+
+    /// Reconcile's tier 1 for one date or date-and-time column (date,
+    /// smalldatetime, datetime, datetime2): [`CdcSource::bucket_sums`] over
+    /// each value's [`micros_since_year_one`] (SQL Server's
+    /// `DATEDIFF_BIG(MICROSECOND, '0001-01-01', key)`, rounded down), so
+    /// silver, which holds microseconds, sums the same numbers. Slice `i`
+    /// holds `[lo + i*width, lo + (i+1)*width)` of those numbers, for values
+    /// in `[lo, hi]`; NULLs are not counted. One GROUP BY on the server.
+    async fn date_bucket_sums(
+        &self,
+        table: &TableName,
+        key: &str,
+        lo: i64,
+        hi: i64,
+        width: i64,
+        isolation: Isolation,
+    ) -> Result<Vec<(i64, u64, i128)>, SourceError>;
+}
+
+/// True for the column types [`CdcSource::date_bucket_sums`] reads: a date
+/// or a date and time without an offset (an offset's instant and its local
+/// time order differently, so datetimeoffset keys are left to the count).
+pub fn is_date_key(t: &crate::types::SqlType) -> bool {
+    use crate::types::SqlType;
+    matches!(t, SqlType::Date | SqlType::SmallDateTime | SqlType::DateTime | SqlType::DateTime2 { .. })
+}
+
+fn year_one() -> NaiveDateTime {
+    chrono::NaiveDate::from_ymd_opt(1, 1, 1).expect("year one").and_hms_opt(0, 0, 0).expect("midnight")
+}
+
+/// The microseconds from 0001-01-01 00:00 to a date or date-and-time value,
+/// rounded down (a datetime2(7)'s last digit dropped, as silver stores it);
+/// None for any other value. Never negative: SQL Server's dates start there.
+pub fn micros_since_year_one(v: &SqlValue) -> Option<i64> {
+    let t = match v {
+        SqlValue::Date(d) => d.and_hms_opt(0, 0, 0)?,
+        SqlValue::DateTime(t) => *t,
+        _ => return None,
+    };
+    (t - year_one()).num_microseconds()
+}
+
+/// The value of a column of type `ty` at `micros` from 0001-01-01 (the
+/// inverse of [`micros_since_year_one`] where the type can hold it): a
+/// bound of a tier 2 range. A date takes the day, whatever the time.
+pub fn from_micros_since_year_one(micros: i64, ty: &crate::types::SqlType) -> Option<SqlValue> {
+    let t = year_one().checked_add_signed(chrono::Duration::microseconds(micros))?;
+    match ty {
+        crate::types::SqlType::Date => Some(SqlValue::Date(t.date())),
+        t2 if is_date_key(t2) => Some(SqlValue::DateTime(t)),
+        _ => None,
+    }
 }
 
 /// A shared handle on a source.

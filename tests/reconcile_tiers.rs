@@ -1,0 +1,450 @@
+//! `reconcile`'s tier 1 and the lag it reads, on the simulator (adr-0028
+//! rows 28.39, 28.40, 28.88, 28.92, 28.93; adr-0025 row 25.38): buckets of a
+//! date key, one counted whole table for a varchar key, the change table
+//! read per capture instance with only the key columns, a commit the capture
+//! job has not harvested, a seeded and a chunked table, and `status`'s
+//! headroom read on the stream's instance.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use chrono::{NaiveDate, NaiveDateTime};
+use common::Scenario;
+use mssql_cdc::delta;
+use mssql_cdc::engine::apply;
+use mssql_cdc::engine::chunked::{self, BackfillArgs};
+use mssql_cdc::engine::rebuild::key_text;
+use mssql_cdc::engine::reconcile::{self, ReconcileResult};
+use mssql_cdc::engine::seed::{self, AsOf, SeedArgs};
+use mssql_cdc::engine::{self, Context};
+use mssql_cdc::lsn::Lsn;
+use mssql_cdc::sim::TableSpec;
+use mssql_cdc::source::*;
+use mssql_cdc::types::{as_stored, value_at, ColumnDesc, Key, SqlType, SqlValue};
+use serde_json::Value;
+
+const DAY_US: i64 = 86_400_000_000;
+
+/// A source that hands every read to the simulator and writes down each
+/// change-table read: (instance, columns asked for, from, to).
+struct Spy {
+    inner: SharedSource,
+    change_reads: Mutex<Vec<(String, Vec<String>, Lsn, Lsn)>>,
+}
+
+#[async_trait]
+impl CdcSource for Spy {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    async fn max_lsn(&self) -> Result<Option<Lsn>, SourceError> {
+        self.inner.max_lsn().await
+    }
+    async fn min_lsn(&self, ci: &str) -> Result<Option<Lsn>, SourceError> {
+        self.inner.min_lsn(ci).await
+    }
+    async fn increment_lsn(&self, lsn: Lsn) -> Result<Lsn, SourceError> {
+        self.inner.increment_lsn(lsn).await
+    }
+    async fn decrement_lsn(&self, lsn: Lsn) -> Result<Lsn, SourceError> {
+        self.inner.decrement_lsn(lsn).await
+    }
+    async fn table_info(&self, t: &TableName) -> Result<TableInfo, SourceError> {
+        self.inner.table_info(t).await
+    }
+    async fn capture_instances(&self, t: &TableName) -> Result<Vec<CaptureInstance>, SourceError> {
+        self.inner.capture_instances(t).await
+    }
+    async fn changes(&self, ci: &CaptureInstance, from: Lsn, to: Lsn, filter: RowFilter, batch_rows: usize) -> Result<BatchStream, SourceError> {
+        self.change_reads.lock().unwrap().push((ci.name.clone(), ci.columns.iter().map(|c| c.name.clone()).collect(), from, to));
+        self.inner.changes(ci, from, to, filter, batch_rows).await
+    }
+    async fn snapshot_read(&self, read: &SnapshotRead) -> Result<BatchStream, SourceError> {
+        self.inner.snapshot_read(read).await
+    }
+    async fn key_extent(&self, t: &TableName, keys: &[String], iso: Isolation) -> Result<Option<(Key, Key)>, SourceError> {
+        self.inner.key_extent(t, keys, iso).await
+    }
+    async fn slice_counts(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64)>, SourceError> {
+        self.inner.slice_counts(t, key, lo, hi, width, iso).await
+    }
+    async fn null_count(&self, t: &TableName, key: &str, iso: Isolation) -> Result<u64, SourceError> {
+        self.inner.null_count(t, key, iso).await
+    }
+    async fn bucket_sums(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64, i128)>, SourceError> {
+        self.inner.bucket_sums(t, key, lo, hi, width, iso).await
+    }
+    async fn key_seek(&self, t: &TableName, keys: &[String], range: &KeyRange, n: u64, iso: Isolation) -> Result<Option<Key>, SourceError> {
+        self.inner.key_seek(t, keys, range, n, iso).await
+    }
+    async fn row_estimate(&self, t: &TableName) -> Result<u64, SourceError> {
+        self.inner.row_estimate(t).await
+    }
+    async fn time_to_lsn(&self, op: TimeOp, t: NaiveDateTime) -> Result<Option<Lsn>, SourceError> {
+        self.inner.time_to_lsn(op, t).await
+    }
+    async fn lsn_to_time(&self, lsn: Lsn) -> Result<Option<NaiveDateTime>, SourceError> {
+        self.inner.lsn_to_time(lsn).await
+    }
+    async fn server_time_zone(&self) -> Result<ServerZone, SourceError> {
+        self.inner.server_time_zone().await
+    }
+    async fn row_count(&self, t: &TableName, iso: Isolation) -> Result<u64, SourceError> {
+        self.inner.row_count(t, iso).await
+    }
+    async fn date_bucket_sums(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64, i128)>, SourceError> {
+        self.inner.date_bucket_sums(t, key, lo, hi, width, iso).await
+    }
+}
+
+/// A scenario whose workflow names another table of the simulator (`items`
+/// stays, empty): `table` created with `rows`, CDC enabled, one capture scan.
+fn other_table(spec: TableSpec, rows: Vec<Vec<SqlValue>>, workflow_extra: &str) -> Scenario {
+    let mut s = Scenario::new(0, "");
+    s.db.create_table(&spec).unwrap();
+    s.db.load_rows(&spec.name, rows.into_iter()).unwrap();
+    s.db.enable_cdc(&spec.name, None, None).unwrap();
+    s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
+    s.db.capture().unwrap();
+    s.table = spec.name.clone();
+    let text = format!(
+        "app_id = \"{n}\"\n[source]\nurl = \"sim://source.sqlite\"\n[table]\nname = \"{n}\"\n[target]\nbronze = \"bronze\"\nfacts = \"facts\"\nsilver = \"silver\"\n{workflow_extra}\n",
+        n = spec.name.name
+    );
+    std::fs::write(&s.wf_path, text).unwrap();
+    s
+}
+
+fn events_spec() -> TableSpec {
+    TableSpec {
+        name: TableName::new("dbo", "events"),
+        columns: vec![
+            ColumnDesc::new("day", SqlType::Date, false),
+            ColumnDesc::new("note", SqlType::NVarChar { len: Some(40) }, true),
+            ColumnDesc::new("amount", SqlType::Int, true),
+        ],
+        primary_key: vec!["day".into()],
+        unique_index: vec![],
+    }
+}
+
+fn day(i: i64) -> NaiveDate {
+    NaiveDate::from_ymd_opt(2024, 1, 1).unwrap() + chrono::Duration::days(i * 3)
+}
+
+fn event_row(i: i64) -> Vec<SqlValue> {
+    vec![SqlValue::Date(day(i)), if i % 5 == 0 { SqlValue::Null } else { SqlValue::Str(format!("event {i}")) }, SqlValue::Int(i * 7)]
+}
+
+fn codes_spec() -> TableSpec {
+    TableSpec {
+        name: TableName::new("dbo", "codes"),
+        columns: vec![ColumnDesc::new("code", SqlType::VarChar { len: Some(20) }, false), ColumnDesc::new("qty", SqlType::Int, true)],
+        primary_key: vec!["code".into()],
+        unique_index: vec![],
+    }
+}
+
+async fn apply(s: &Scenario) {
+    let mut ctx = s.context().await.unwrap();
+    apply::run(&mut ctx).await.unwrap();
+}
+
+async fn reconcile(s: &Scenario) -> ReconcileResult {
+    let mut ctx = s.context().await.unwrap();
+    reconcile::run(&mut ctx).await.unwrap()
+}
+
+/// reconcile with the spy as its source; returns the result and the change-table reads.
+async fn reconcile_spied(s: &Scenario) -> (ReconcileResult, Vec<(String, Vec<String>, Lsn, Lsn)>) {
+    let mut ctx: Context = s.context().await.unwrap();
+    let spy = Arc::new(Spy { inner: ctx.source.clone(), change_reads: Mutex::new(Vec::new()) });
+    ctx.source = spy.clone();
+    let r = reconcile::run(&mut ctx).await.unwrap();
+    let reads = spy.change_reads.lock().unwrap().clone();
+    (r, reads)
+}
+
+fn silver_loc(s: &Scenario) -> String {
+    s.path().join("silver").to_string_lossy().into_owned()
+}
+
+/// Every silver row, every captured column, keyed by its key's text.
+async fn silver_rows(s: &Scenario, columns: &[ColumnDesc], key_idx: usize) -> Vec<(String, Vec<SqlValue>)> {
+    let t = delta::open_existing(&silver_loc(s), &Default::default()).await.unwrap().unwrap();
+    let cols: Vec<String> = columns.iter().map(|c| format!("\"{}\"", c.name)).collect();
+    let mut out = Vec::new();
+    for b in delta::query(&t, &format!("SELECT {} FROM t", cols.join(", "))).await.unwrap() {
+        let b = delta::plain_types(&b).unwrap();
+        for r in 0..b.num_rows() {
+            let row: Vec<SqlValue> = columns.iter().enumerate().map(|(i, c)| value_at(b.column(i).as_ref(), r, &c.sql_type)).collect();
+            out.push((key_text(&row[key_idx..=key_idx]), row));
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// The simulator's own table, as silver stores its values, keyed the same way.
+fn table_rows(s: &Scenario, columns: &[ColumnDesc], key_idx: usize) -> Vec<(String, Vec<SqlValue>)> {
+    let mut out: Vec<(String, Vec<SqlValue>)> = s
+        .db
+        .rows(&s.table)
+        .unwrap()
+        .into_iter()
+        .map(|row| {
+            let row: Vec<SqlValue> = row.iter().zip(columns).map(|(v, c)| as_stored(v, &c.sql_type)).collect();
+            (key_text(&row[key_idx..=key_idx]), row)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+async fn assert_silver_is_the_table(s: &Scenario, columns: &[ColumnDesc], why: &str) {
+    assert_eq!(silver_rows(s, columns, 0).await, table_rows(s, columns, 0), "{why}: silver differs from the simulator's table");
+}
+
+async fn delete_from_silver(s: &Scenario, predicate: &str) {
+    let t = delta::open_existing(&silver_loc(s), &Default::default()).await.unwrap().unwrap();
+    let (_t, m) = t.delete().with_predicate(predicate).await.unwrap();
+    assert_eq!(m.num_deleted_rows, Some(1), "{predicate}");
+}
+
+fn json(r: &ReconcileResult) -> Value {
+    serde_json::to_value(r).unwrap()
+}
+
+fn micros(d: NaiveDate) -> i64 {
+    (d.and_hms_opt(0, 0, 0).unwrap() - NaiveDate::from_ymd_opt(1, 1, 1).unwrap().and_hms_opt(0, 0, 0).unwrap()).num_microseconds().unwrap()
+}
+
+/// A date key gets tier 1 buckets (count and key sum per bucket of days, on
+/// both sides); a row deleted from silver behind the engine's back makes
+/// exactly its bucket mismatch, and tier 2 reads that bucket alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_date_key_gets_buckets_and_a_row_missing_from_silver_is_found_in_its_bucket() {
+    let s = other_table(events_spec(), (0..120).map(event_row).collect(), "[snapshot]\nbootstrap = true\nmode = \"full\"\n[reconcile]\nbuckets = 8\nsample_fraction = 0.0\n");
+    let columns = events_spec().columns;
+    s.stream_until_caught_up().await;
+    apply(&s).await;
+    assert_silver_is_the_table(&s, &columns, "after the bootstrap").await;
+    let r = reconcile(&s).await;
+    let j = json(&r);
+    assert!(r.clean, "{j:#}");
+    assert_eq!((r.tier1, r.buckets_mismatched, r.buckets_compared, r.rows_compared), ("buckets", 0, 0, 0), "{j:#}");
+    assert!(r.buckets > 1, "{j:#}");
+    assert_eq!((r.rows_source, r.rows_target), (120, 120), "{j:#}");
+
+    let gone = day(77);
+    delete_from_silver(&s, &format!("day = CAST('{}' AS DATE)", gone.format("%Y-%m-%d"))).await;
+    let r = reconcile(&s).await;
+    let j = json(&r);
+    assert!(!r.clean, "{j:#}");
+    assert_eq!((r.tier1, r.buckets_mismatched, r.buckets_compared, r.differences), ("buckets", 1, 1, 1), "{j:#}");
+    assert_eq!((r.rows_source, r.rows_target), (120, 119), "{j:#}");
+    let d = &r.samples[0];
+    assert_eq!((d["class"].as_str(), d["key"]["day"].as_str()), (Some("MISSING_TARGET"), Some(gone.format("%Y-%m-%d").to_string().as_str())), "{j:#}");
+    // The bucket holds the key: [start, start + width) in microseconds from 0001-01-01, whole days.
+    let (start, width) = (d["bucket"].as_i64().expect("the bucket is reported"), j["bucket_width"].as_i64().expect("the width is reported"));
+    assert!(start <= micros(gone) && micros(gone) < start + width && width % DAY_US == 0 && start % DAY_US == 0, "{j:#}");
+    // Tier 2 read that bucket only: as many source rows as the table holds there.
+    let in_bucket = table_rows(&s, &columns, 0)
+        .iter()
+        .filter(|(_, row)| matches!(&row[0], SqlValue::Date(d) if (start..start + width).contains(&micros(*d))))
+        .count() as u64;
+    assert_eq!(r.rows_compared, in_bucket, "{j:#}");
+    assert!(in_bucket < 120, "{j:#}");
+}
+
+/// A varchar key gets one row count for the whole table, counted on the
+/// source: equal counts with sample_fraction 0 compare no row; a row
+/// missing from silver makes the count mismatch, and tier 2 names the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_varchar_key_is_counted_whole_in_tier_one() {
+    let rows: Vec<Vec<SqlValue>> = (0..60).map(|i| vec![SqlValue::Str(format!("c-{i:03}")), SqlValue::Int(i)]).collect();
+    let s = other_table(codes_spec(), rows, "[snapshot]\nbootstrap = true\nmode = \"full\"\n[reconcile]\nsample_fraction = 0.0\n");
+    let columns = codes_spec().columns;
+    s.stream_until_caught_up().await;
+    apply(&s).await;
+    assert_silver_is_the_table(&s, &columns, "after the bootstrap").await;
+    let r = reconcile(&s).await;
+    let j = json(&r);
+    assert!(r.clean, "{j:#}");
+    assert_eq!((r.tier1, r.buckets, r.buckets_mismatched), ("count", 1, 0), "{j:#}");
+    assert_eq!((r.rows_source, r.rows_target), (60, 60), "{j:#}");
+    assert_eq!((r.buckets_compared, r.rows_compared), (0, 0), "equal counts and no sample: no row is read: {j:#}");
+
+    delete_from_silver(&s, "code = 'c-017'").await;
+    let r = reconcile(&s).await;
+    let j = json(&r);
+    assert!(!r.clean, "{j:#}");
+    assert_eq!((r.tier1, r.buckets_mismatched, r.buckets_compared), ("count", 1, 1), "{j:#}");
+    assert_eq!((r.rows_source, r.rows_target, r.differences), (60, 59, 1), "{j:#}");
+    assert_eq!((r.samples[0]["class"].as_str(), r.samples[0]["key"]["code"].as_str()), (Some("MISSING_TARGET"), Some("c-017")), "{j:#}");
+}
+
+/// Lag pending on both sides of a capture-instance switch: the change table
+/// is read as the stream reads it, the older instance up to the newer one's
+/// start and the newer one from there, key columns only; every changed key
+/// is IN_FLIGHT, and once streamed and applied reconcile is clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lag_across_a_capture_instance_switch_is_read_per_instance_keys_only() {
+    let s = Scenario::new(30, "silver = \"silver\"\n[snapshot]\nbootstrap = true\nmode = \"full\"\n[reconcile]\nbuckets = 4\nsample_fraction = 1.0\n");
+    let columns = common::items_spec(&s.table).columns;
+    s.stream_until_caught_up().await;
+    apply(&s).await;
+    let r = reconcile(&s).await;
+    assert!(r.clean && r.counts["IN_FLIGHT"] == 0, "{:#}", json(&r));
+    let position = {
+        let mut ctx = s.context().await.unwrap();
+        engine::state::load(&mut ctx).await.unwrap().position().unwrap()
+    };
+    let table = s.table.clone();
+    // In the older instance only.
+    s.db.transaction(|tx| {
+        tx.update(&table, &vec![SqlValue::Int(3)], common::item_row(3, 50))?;
+        tx.update(&table, &vec![SqlValue::Int(5)], common::item_row(5, 50))
+    })
+    .unwrap();
+    s.db.capture().unwrap();
+    let newer = s.db.enable_cdc(&table, Some("dbo_items_v2"), None).unwrap();
+    let start = newer.start_lsn.unwrap();
+    // In both instances.
+    s.db.transaction(|tx| {
+        tx.update(&table, &vec![SqlValue::Int(7)], common::item_row(7, 51))?;
+        tx.insert(&table, common::item_row(300, 0))?;
+        tx.delete(&table, &vec![SqlValue::Int(9)])
+    })
+    .unwrap();
+    s.db.capture().unwrap();
+    let max = s.db.max_lsn().unwrap().unwrap();
+
+    let (r, reads) = reconcile_spied(&s).await;
+    let j = json(&r);
+    assert!(r.clean, "lag across the switch is not a failure: {j:#}");
+    assert_eq!(r.counts["IN_FLIGHT"], 5, "{j:#}");
+    let mut flight: Vec<i64> = r.samples.iter().filter(|d| d["class"] == "IN_FLIGHT").map(|d| d["key"]["id"].as_i64().unwrap()).collect();
+    flight.sort();
+    assert_eq!(flight, vec![3, 5, 7, 9, 300], "{j:#}");
+    let id = vec!["id".to_string()];
+    assert_eq!(
+        reads,
+        vec![("dbo_items".to_string(), id.clone(), position.increment(), start.decrement()), ("dbo_items_v2".to_string(), id, start, max)],
+        "one read per instance's piece, key columns only"
+    );
+
+    s.stream_until_caught_up().await;
+    apply(&s).await;
+    assert_silver_is_the_table(&s, &columns, "after the switch").await;
+    let (r, reads) = reconcile_spied(&s).await;
+    assert!(r.clean && r.counts["IN_FLIGHT"] == 0 && r.differences == 0, "{:#}", json(&r));
+    assert!(reads.iter().all(|(ci, _, _, _)| ci == "dbo_items_v2"), "{reads:?}");
+}
+
+/// A commit the capture job has not harvested is in no change table: its
+/// difference is a real one on that run (adr-0028 Amendment 2 says so), and
+/// the next run, after the capture scan, takes it as IN_FLIGHT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_not_yet_harvested_is_not_seen_and_the_next_run_clears_it() {
+    let s = Scenario::new(20, "silver = \"silver\"\n[snapshot]\nbootstrap = true\nmode = \"full\"\n[reconcile]\nbuckets = 4\nsample_fraction = 0.0\n");
+    let columns = common::items_spec(&s.table).columns;
+    s.stream_until_caught_up().await;
+    apply(&s).await;
+    assert!(reconcile(&s).await.clean);
+    s.db.set_config_value("capture_lag_ms", "3600000").unwrap();
+    let table = s.table.clone();
+    let before = s.db.max_lsn().unwrap();
+    s.db.transaction(|tx| tx.insert(&table, common::item_row(500, 0))).unwrap();
+    s.db.capture().unwrap();
+    assert_eq!(s.db.max_lsn().unwrap(), before, "the commit is still inside the capture lag");
+    let r = reconcile(&s).await;
+    let j = json(&r);
+    assert!(!r.clean, "{j:#}");
+    assert_eq!((r.differences, r.counts["MISSING_TARGET"], r.counts["IN_FLIGHT"]), (1, 1, 0), "{j:#}");
+    assert_eq!(r.samples[0]["key"]["id"], 500, "{j:#}");
+    assert_eq!(r.source_max_lsn, before, "{j:#}");
+    // The capture job harvests it: the next run sees it in the change table.
+    s.db.advance_clock(std::time::Duration::from_secs(7200)).unwrap();
+    s.db.capture().unwrap();
+    let r = reconcile(&s).await;
+    let j = json(&r);
+    assert!(r.clean, "{j:#}");
+    assert_eq!((r.differences, r.counts["IN_FLIGHT"]), (0, 1), "{j:#}");
+    s.stream_until_caught_up().await;
+    apply(&s).await;
+    assert_silver_is_the_table(&s, &columns, "after the harvest").await;
+    let r = reconcile(&s).await;
+    assert!(r.clean && r.counts["IN_FLIGHT"] == 0, "{:#}", json(&r));
+}
+
+/// adr-0025: reconcile checks a table seeded from a copy, and one a chunked
+/// snapshot bootstrapped, each with a date key's tier 1 buckets, and finds a
+/// row removed from silver in either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_checks_a_seeded_table_and_a_chunked_one() {
+    let columns = events_spec().columns;
+    // Seeded from a Parquet copy taken at a known LSN.
+    let s = other_table(events_spec(), (0..90).map(event_row).collect(), "[stream]\nmax_batch_rows = 1000\n[reconcile]\nbuckets = 6\nsample_fraction = 0.0\n");
+    let copy = s.path().join("copy");
+    let source = s.db.source().unwrap();
+    let lsn = s.db.max_lsn().unwrap().unwrap();
+    mssql_cdc::seed_copy::export_parquet(&source, &s.table, &columns, &copy, 7).await.unwrap();
+    let table = s.table.clone();
+    s.db.transaction(|tx| tx.update(&table, &vec![SqlValue::Date(day(4))], vec![SqlValue::Date(day(4)), SqlValue::Str("later".into()), SqlValue::Int(-4)])).unwrap();
+    s.db.capture().unwrap();
+    let mut ctx = s.context().await.unwrap();
+    seed::run(&mut ctx, &SeedArgs { copy: copy.to_string_lossy().into_owned(), as_of: AsOf::Lsn(lsn), reseed: false, allow_missing_columns: false })
+        .await
+        .unwrap();
+    s.stream_until_caught_up().await;
+    apply(&s).await;
+    assert_silver_is_the_table(&s, &columns, "after the seed").await;
+    let r = reconcile(&s).await;
+    assert!(r.clean && r.tier1 == "buckets" && r.rows_source == 90, "{:#}", json(&r));
+    delete_from_silver(&s, &format!("day = CAST('{}' AS DATE)", day(50).format("%Y-%m-%d"))).await;
+    let r = reconcile(&s).await;
+    assert_eq!((r.differences, r.counts["MISSING_TARGET"], r.buckets_mismatched), (1, 1, 1), "{:#}", json(&r));
+
+    // Bootstrapped by a chunked snapshot beside the stream.
+    let s = other_table(
+        events_spec(),
+        (0..90).map(event_row).collect(),
+        "[snapshot]\nbootstrap = true\nmode = \"chunked\"\nchunk_rows = 20\ntarget_wave_seconds = 0\n[stream]\nmax_batch_rows = 1000\n[reconcile]\nbuckets = 6\nsample_fraction = 0.0\n",
+    );
+    s.stream_until_caught_up().await;
+    loop {
+        let mut ctx = s.context().await.unwrap();
+        if chunked::backfill(&mut ctx, &BackfillArgs::default()).await.unwrap().done {
+            break;
+        }
+    }
+    s.stream_until_caught_up().await;
+    apply(&s).await;
+    assert_silver_is_the_table(&s, &columns, "after the chunked bootstrap").await;
+    let r = reconcile(&s).await;
+    assert!(r.clean && r.tier1 == "buckets" && r.chunks_checked >= 4 && r.rows_source == 90, "{:#}", json(&r));
+    delete_from_silver(&s, &format!("day = CAST('{}' AS DATE)", day(11).format("%Y-%m-%d"))).await;
+    let r = reconcile(&s).await;
+    assert_eq!((r.differences, r.counts["MISSING_TARGET"], r.buckets_mismatched), (1, 1, 1), "{:#}", json(&r));
+}
+
+/// `status` reads the min LSN (so the headroom) of the instance the stream
+/// is on, not of a newer one it has not reached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_headroom_is_the_streams_instances() {
+    let s = Scenario::new(10, "[snapshot]\nbootstrap = true\nmode = \"full\"\n");
+    s.stream_until_caught_up().await;
+    s.db.advance_clock(std::time::Duration::from_secs(30)).unwrap();
+    let older = s.db.capture_instances(&s.table).unwrap()[0].clone();
+    let newer = s.db.enable_cdc(&s.table, Some("dbo_items_v2"), None).unwrap();
+    s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
+    s.db.capture().unwrap();
+    let mut ctx = Context::open_read_only(s.workflow()).await.unwrap();
+    let j = engine::status::run(&mut ctx).await.unwrap();
+    assert_eq!(j["capture_instance"], "dbo_items", "{j:#}");
+    assert_eq!(j["source_min_lsn"], serde_json::to_value(older.start_lsn).unwrap(), "{j:#}");
+    assert_ne!(j["source_min_lsn"], serde_json::to_value(newer.start_lsn).unwrap(), "{j:#}");
+}
