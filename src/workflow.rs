@@ -177,6 +177,12 @@ pub struct SnapshotOptions {
     /// Chunked mode: `backfill` pauses while the stream's retention headroom
     /// (its newest batch's distance to CDC cleanup) is below this.
     pub min_headroom_hours: Option<f64>,
+    /// Chunked mode only (adr-0028 Amendment 5): after the batch that first
+    /// reads a newer capture instance, the stream opens a chunked snapshot at
+    /// that instance's start LSN, so `backfill` reads every row again with
+    /// the new instance's columns (values no change row carries, such as a
+    /// column added with a default, reach bronze and silver).
+    pub snapshot_on_switch: bool,
 }
 
 impl Default for SnapshotOptions {
@@ -191,6 +197,7 @@ impl Default for SnapshotOptions {
             chunk_rows: 1_000_000,
             target_wave_seconds: 300.0,
             min_headroom_hours: None,
+            snapshot_on_switch: false,
         }
     }
 }
@@ -330,6 +337,21 @@ impl Workflow {
         if let Some(h) = self.snapshot.min_headroom_hours {
             if !(h >= 0.0 && h.is_finite()) {
                 return bad(format!("snapshot.min_headroom_hours is {h}: use 0 or more hours, or remove it"));
+            }
+        }
+        if self.snapshot.snapshot_on_switch && self.snapshot.mode != SnapshotMode::Chunked {
+            return bad(
+                "snapshot.snapshot_on_switch = true needs snapshot.mode = \"chunked\": the snapshot it opens after a capture \
+                 instance switch is read in chunks beside the stream. Set snapshot.mode = \"chunked\", or remove snapshot_on_switch"
+                    .into(),
+            );
+        }
+        if self.snapshot.snapshot_on_switch {
+            if let Some(pinned) = &self.table.capture_instance {
+                return bad(format!(
+                    "snapshot.snapshot_on_switch = true, but table.capture_instance pins '{pinned}': a pinned stream never \
+                     switches, so no snapshot would ever open. Remove table.capture_instance, or remove snapshot_on_switch"
+                ));
             }
         }
         if let Some(keys) = &self.snapshot.keys {
@@ -563,6 +585,18 @@ mode = "full"
         assert_eq!(wf.table.schema, "dbo");
         assert!(wf.snapshot.bootstrap);
         assert_eq!(wf.stream.max_batch_rows, 100_000);
+    }
+
+    #[test]
+    fn snapshot_on_switch_needs_the_chunked_mode_and_an_unpinned_instance() {
+        let on_full = GOOD.replace("mode = \"full\"", "mode = \"full\"\nsnapshot_on_switch = true");
+        let e = Workflow::parse(&on_full, Path::new("wf.toml")).unwrap_err();
+        assert!(matches!(e, StepError::Config(_)) && e.to_string().contains("snapshot.mode = \"chunked\""), "{e}");
+        let on_chunked = GOOD.replace("mode = \"full\"", "mode = \"chunked\"\nsnapshot_on_switch = true");
+        assert!(Workflow::parse(&on_chunked, Path::new("wf.toml")).unwrap().snapshot.snapshot_on_switch);
+        let pinned = on_chunked.replace("name = \"orders\"\n", "name = \"orders\"\ncapture_instance = \"dbo_orders\"\n");
+        let e = Workflow::parse(&pinned, Path::new("wf.toml")).unwrap_err();
+        assert!(e.to_string().contains("table.capture_instance"), "{e}");
     }
 
     #[test]

@@ -23,6 +23,11 @@
 //! | wave w: `snapshot_chunk` rows  | facts  | `<app>#snapchunks.<S>`     | w          |
 //! | completion: `bootstrap` row    | facts  | `<app>#events`             | generation |
 //!
+//! A snapshot opened after a capture-instance switch (`engine::switch`,
+//! adr-0028 Amendment 5) keys its facts open and its completion by S
+//! instead (`<app>#snapopen.<S>`, `<app>#snapdone.<S>`, at the switch batch
+//! id its open row records), since the generation's keys may be taken.
+//!
 //! Architecture invariant: key values never reach the facts table; they are
 //! in the plans table (next to bronze, under bronze's access) and in bronze's
 //! commit metadata. Every plans row is written before its facts row, and
@@ -318,7 +323,7 @@ fn chunk_key(s: Lsn) -> String {
     s.to_hex()
 }
 
-fn txn_open_plans(app: &str, s: Lsn) -> Txn {
+pub(crate) fn txn_open_plans(app: &str, s: Lsn) -> Txn {
     Txn::new(format!("{app}#snapopen.{}", chunk_key(s)), 0)
 }
 fn txn_open_facts(app: &str, generation: i32) -> Txn {
@@ -335,6 +340,21 @@ fn txn_wave_rows(app: &str, s: Lsn, wave: i64) -> Txn {
 }
 fn txn_completion(app: &str, generation: i32) -> Txn {
     Txn::new(format!("{app}#events"), generation as i64)
+}
+/// The facts open of a snapshot opened after a capture-instance switch
+/// (adr-0028 Amendment 5): keyed by its S, since the generation's own key
+/// (`#snapshots`, generation) may be taken by the generation's first open.
+pub(crate) fn txn_switch_open_facts(app: &str, s: Lsn, switch_batch_id: i64) -> Txn {
+    Txn::new(format!("{app}#snapopen.{}", chunk_key(s)), switch_batch_id)
+}
+/// The completion of a snapshot opened after a switch: keyed by its S for
+/// the same reason (`#events`, generation may hold the generation's bootstrap).
+pub(crate) fn txn_switch_done(app: &str, s: Lsn, switch_batch_id: i64) -> Txn {
+    Txn::new(format!("{app}#snapdone.{}", chunk_key(s)), switch_batch_id)
+}
+/// The switch batch an open row records (only a switch's open has one).
+pub fn switch_batch_of(open_row: &FactRow) -> Option<i64> {
+    open_row.detail.as_ref().and_then(|d| d.get("switch_batch_id")).and_then(Value::as_i64)
 }
 
 /// Chunk progress of snapshot `s` from its `snapshot_chunk` facts rows.
@@ -566,13 +586,13 @@ pub async fn open_plans(ctx: &Context) -> StepResult<DeltaTable> {
     .await
 }
 
-async fn append_plans(table: &mut DeltaTable, app: &str, rows: Vec<PlanRow>, txn: &Txn) -> StepResult<Appended> {
+pub(crate) async fn append_plans(table: &mut DeltaTable, app: &str, rows: Vec<PlanRow>, txn: &Txn) -> StepResult<Appended> {
     let summary: Vec<Value> = rows.iter().map(|r| json!({"event": r.event, "wave": r.wave, "chunk": r.chunk})).collect();
     let meta = json!({"plans": summary, "app_id": app});
     delta::append_batches(table, vec![plans::to_batch(&rows)], plans::schema(), txn, meta).await
 }
 
-async fn append_facts_rows(table: &mut DeltaTable, app: &str, rows: Vec<FactRow>, txn: &Txn) -> StepResult<Appended> {
+pub(crate) async fn append_facts_rows(table: &mut DeltaTable, app: &str, rows: Vec<FactRow>, txn: &Txn) -> StepResult<Appended> {
     let meta = json!({"facts": facts::summary(&rows), "app_id": app});
     delta::append_batches(table, vec![facts::to_batch(&rows)], facts::schema(), txn, meta).await
 }
@@ -754,6 +774,9 @@ struct Sink {
     header: FactRow,
     /// The data-loss gap a re-snapshot closes (on its completion row only).
     gap: super::snapshot::Gap,
+    /// The completion row's txn: the generation's, or for a snapshot opened
+    /// after a switch the one keyed by its S (see [`txn_switch_done`]).
+    completion_txn: Txn,
     bronze: DeltaTable,
     facts: DeltaTable,
     plans: DeltaTable,
@@ -898,7 +921,7 @@ impl Sink {
         row.lost_to_ts = self.gap.lost_to_ts;
         row.retention_watermark_ts = self.gap.lost_to_ts;
         row.detail = Some(json!({"mode": "chunked", "snapshot": self.s.to_hex(), "chunks": self.chunks_total, "waves": self.waves_total.len()}));
-        append_facts_rows(&mut self.facts, &self.app, vec![row], &txn_completion(&self.app, self.generation)).await?;
+        append_facts_rows(&mut self.facts, &self.app, vec![row], &self.completion_txn).await?;
         failpoint!("chunked.after_complete");
         tracing::info!(snapshot = %self.s, rows = self.rows_total, chunks = self.chunks_total, "chunked snapshot complete");
         Ok(true)
@@ -1025,12 +1048,14 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
     let mut header = ctx.fact_row(o.generation);
     header.recorded_at = None;
     header.commit_ts = ctx.commit_time(o.s).await?;
-    // A re-snapshot's completion carries the gap its open recorded.
-    let gap = rows
-        .iter()
-        .find(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_OPEN) && r.min_lsn == Some(o.s) && r.generation == o.generation)
-        .map(|r| super::snapshot::Gap { lost_from_ts: r.lost_from_ts, lost_to_ts: r.lost_to_ts })
-        .unwrap_or_default();
+    // A re-snapshot's completion carries the gap its open recorded; a
+    // switch's open names the batch its completion's txn is keyed by.
+    let open_row = rows.iter().find(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_OPEN) && r.min_lsn == Some(o.s) && r.generation == o.generation);
+    let gap = open_row.map(|r| super::snapshot::Gap { lost_from_ts: r.lost_from_ts, lost_to_ts: r.lost_to_ts }).unwrap_or_default();
+    let completion_txn = match open_row.and_then(switch_batch_of) {
+        Some(b) => txn_switch_done(&app, o.s, b),
+        None => txn_completion(&app, o.generation),
+    };
     let mut sink = Sink {
         app: app.clone(),
         s: o.s,
@@ -1038,6 +1063,7 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         kind: o.kind.clone(),
         header,
         gap,
+        completion_txn,
         bronze: ctx.bronze.clone(),
         facts: ctx.facts.clone(),
         plans: plans_table,

@@ -44,6 +44,8 @@ pub const FAILPOINTS: &[&str] = &[
     "stream.after_start",
     "stream.after_bronze",
     "stream.after_facts",
+    "switch.after_open_plans",
+    "switch.after_open",
     "chunked.after_open_plans",
     "chunked.after_open",
     "chunked.after_plan_plans",

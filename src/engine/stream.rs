@@ -92,6 +92,9 @@ pub struct StreamResult {
     pub recovery: Option<super::recover::RecoveryResult>,
     /// Purged ranges this call skipped (`on_data_loss = "skip"`), as their `data_skipped` rows say.
     pub skipped: Vec<Value>,
+    /// Chunked snapshots this call opened after a capture-instance switch
+    /// (`snapshot.snapshot_on_switch`; see `engine::switch`).
+    pub snapshots_on_switch: Vec<super::chunked::OpenResult>,
 }
 
 /// Runs the `stream` step: bootstrap first when configured, then batches.
@@ -135,6 +138,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
         bootstrap,
         recovery: None,
         skipped: Vec::new(),
+        snapshots_on_switch: Vec::new(),
     };
     // The instance the stream is on (it follows newer ones unless the
     // workflow pins one; see `engine::switch`).
@@ -147,6 +151,11 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
         // a newer instance starts after the stream's position).
         let recorded = super::switch::recorded_instance(&state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?);
         ctx.instance = super::switch::current(recorded.as_deref(), &instances, &ctx.instance).clone();
+        // A switch batch whose snapshot a crash left unopened: open it first.
+        if let Some(r) = super::switch::ensure_open_on_switch(ctx).await? {
+            result.snapshots_on_switch.push(r);
+            st = state::load(ctx).await?;
+        }
     }
     // The call reads up to the max LSN it found when it started: a writer that
     // never pauses cannot keep one call running forever. The next call picks
@@ -165,7 +174,12 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
             match super::switch::plan(position, &ctx.instance, &instances) {
                 super::switch::InstancePlan::Stay { upto: Some(u) } => read_max = max.map(|m| m.min(u)),
                 super::switch::InstancePlan::Stay { upto: None } => {}
-                super::switch::InstancePlan::Switch { to } => switch_events = super::switch::switch(ctx, st.generation, to).await?,
+                super::switch::InstancePlan::Switch { to } => {
+                    if super::switch::opens_on_switch(ctx) {
+                        super::switch::check_open_on_switch(ctx, &to).await?;
+                    }
+                    switch_events = super::switch::switch(ctx, st.generation, to).await?
+                }
             }
         }
         let ci = ctx.instance.name.clone();
@@ -225,6 +239,12 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
                 result.position = Some(position);
                 result.skipped.extend(skips.iter().map(Skip::describe));
                 st.last_batch = Some(fact);
+                if !switch_events.is_empty() {
+                    if let Some(r) = super::switch::ensure_open_on_switch(ctx).await? {
+                        result.snapshots_on_switch.push(r);
+                        st = state::load(ctx).await?;
+                    }
+                }
             }
             BatchOutcome::PurgedDuringRead { min_lsn } => match on_loss {
                 // Nothing of the batch was committed; the guard at the top of
