@@ -9,6 +9,7 @@
 //! commit boundary and the crash drill proves it.
 
 pub mod apply;
+pub mod change_order;
 pub mod chunked;
 pub mod identity;
 pub mod plan;

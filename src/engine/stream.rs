@@ -42,7 +42,7 @@ use crate::delta::{self, bronze, Appended, Txn};
 use crate::error::{StepError, StepResult};
 use crate::failpoint;
 use crate::lsn::Lsn;
-use crate::source::CHANGE_START_LSN;
+use crate::source::{SourceError, CHANGE_START_LSN};
 use crate::workflow::{OnDataLoss, SnapshotMode};
 
 /// What the next batch should do, decided from the position and the source's bounds.
@@ -253,6 +253,13 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
                 OnDataLoss::Skip => return Err(skip_refused(ctx, &st, from.decrement(), from, min_lsn).await),
                 _ => return Err(data_loss(ctx, from.decrement(), from, min_lsn).await),
             },
+            // The read itself met error 313 because cleanup passed `from`
+            // after the guard looked: nothing was read or committed, and the
+            // guard, run again, finds the purge and takes the on_data_loss
+            // path (recover, skip with its data_skipped row, or fail) as for
+            // any purge it sees first. It cannot find `Read` again: the min
+            // LSN only moves up, and it is already above `from`.
+            BatchOutcome::ReadFoundPurged => continue,
         }
     }
     Ok(result)
@@ -302,6 +309,23 @@ enum BatchOutcome {
     /// CDC cleanup passed the batch's first LSN while it read (fail and
     /// resnapshot modes): nothing was committed.
     PurgedDuringRead { min_lsn: Lsn },
+    /// The read failed with error 313 and the instance's min LSN is now
+    /// above the batch's first LSN: cleanup ran between the guard and the
+    /// read. Nothing was read.
+    ReadFoundPurged,
+}
+
+/// Error 313 from a change read: a purge when cleanup has since passed
+/// `from` (the read's range was valid when the guard checked it), or else
+/// the error itself (a range the guard should not have let through).
+async fn range_refused(ctx: &Context, from: Lsn, err: SourceError) -> StepResult<BatchOutcome> {
+    match ctx.source.min_lsn(&ctx.instance.name).await? {
+        Some(min) if from < min => {
+            tracing::warn!(from = %from, min_lsn = %min, "the change read met error 313: CDC cleanup passed the range after the guard checked it");
+            Ok(BatchOutcome::ReadFoundPurged)
+        }
+        _ => Err(err.into()),
+    }
 }
 
 /// The error for a purged next range, with the times that name the gap.
@@ -481,15 +505,28 @@ async fn run_batch(
     let limit = ctx.workflow.stream.max_batch_rows;
     let filter = ctx.workflow.stream.row_filter.into();
     let bronze_schema = ctx.bronze_schema()?;
-    let mut stream = ctx.source.changes(&ctx.instance, from, to_max, filter, limit.min(8_192)).await?;
+    let mut stream = match ctx.source.changes(&ctx.instance, from, to_max, filter, limit.min(8_192)).await {
+        Ok(s) => s,
+        Err(e @ SourceError::RangeUnavailable { .. }) => return range_refused(ctx, from, e).await,
+        Err(e) => return Err(e.into()),
+    };
+    let mut order = super::change_order::OrderCheck::new(&ctx.instance);
     let mut out: Vec<RecordBatch> = Vec::new();
     let mut rows = 0usize;
     let mut cut_at: Option<Lsn> = None; // the LSN the batch ends at when it stops before to_max
     while let Some(batch) = stream.next().await {
-        let batch = batch?;
+        let batch = match batch {
+            Ok(b) => b,
+            Err(e @ SourceError::RangeUnavailable { .. }) => {
+                drop(stream);
+                return range_refused(ctx, from, e).await;
+            }
+            Err(e) => return Err(e.into()),
+        };
         if batch.num_rows() == 0 {
             continue;
         }
+        order.check(&batch)?;
         let lsns = batch
             .column_by_name(CHANGE_START_LSN)
             .and_then(|a| a.as_any().downcast_ref::<FixedSizeBinaryArray>().cloned())

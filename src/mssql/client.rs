@@ -11,7 +11,7 @@
 //! fresh connection with exponential backoff; a stream is retried only until
 //! its first row has been handed out.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -59,8 +59,10 @@ struct Inner {
     /// Table descriptions by name, refreshed by every `table_info`; used for
     /// the types of key columns (bounds are cast to them).
     tables: Mutex<HashMap<TableName, TableInfo>>,
-    /// Capture instances whose change table predates `__$command_id`.
-    without_command_id: Mutex<HashSet<String>>,
+    /// Per capture instance, whether its change table has `__$command_id`
+    /// (read once per process from the catalog; a table only gains the
+    /// column through `sp_vupgrade_replication`, which a new process sees).
+    has_command_id: Mutex<HashMap<String, bool>>,
 }
 
 /// A SQL Server CDC source over tiberius.
@@ -81,12 +83,6 @@ enum Fail {
 }
 
 impl Fail {
-    fn code(&self) -> Option<u32> {
-        match self {
-            Fail::Tds(e) => e.code(),
-            Fail::Source(_) => None,
-        }
-    }
     fn into_source(self, ctx: &Ctx) -> SourceError {
         match self {
             Fail::Tds(e) => map_error(e, ctx),
@@ -120,6 +116,15 @@ fn map_error(e: tiberius::error::Error, ctx: &Ctx) -> SourceError {
     }
 }
 
+/// Classifies an error SQL Server reported, by its number, as this client
+/// does; `range` is the capture instance and LSN range of a changes read (it
+/// makes error 313 a [`SourceError::RangeUnavailable`]). Public so that the
+/// simulator, which models the server's numbered errors, hands them to the
+/// same classification a real server's errors get.
+pub fn classify_server_error(code: u32, msg: &str, range: Option<(String, Lsn, Lsn)>) -> SourceError {
+    map_server_error(code, msg, &Ctx { range })
+}
+
 /// Classifies an error the server reported, by its number.
 fn map_server_error(code: u32, msg: &str, ctx: &Ctx) -> SourceError {
     match code {
@@ -145,8 +150,11 @@ fn map_server_error(code: u32, msg: &str, ctx: &Ctx) -> SourceError {
         )),
         4060 => SourceError::Config(format!("cannot open the database named in the URL (error 4060): {msg}")),
         // Deadlock victim, lock timeout, memory pressure, dropped sessions and
-        // Azure SQL's reconfiguration and throttling codes.
-        1205 | 1222 | 701 | 8645 | 233 | 10053 | 10054 | 10060 | 64 | 121 | 4221 | 40197 | 40501 | 40613 | 49918 | 49919 | 49920
+        // Azure SQL's reconfiguration and throttling codes. 601: a NOLOCK
+        // scan (the change function reads its table WITH (NOLOCK)) lost its
+        // place to data movement; 3961: a SNAPSHOT transaction met a
+        // concurrent DDL on an object it reads. Both pass on a new attempt.
+        601 | 3961 | 1205 | 1222 | 701 | 8645 | 233 | 10053 | 10054 | 10060 | 64 | 121 | 4221 | 40197 | 40501 | 40613 | 49918 | 49919 | 49920
         | 10928 | 10929 | 40143 | 40540 => SourceError::Transient(format!("SQL Server error {code}: {msg}")),
         code => SourceError::Other(format!("SQL Server error {code}: {msg}")),
     }
@@ -317,15 +325,12 @@ impl Sink {
 
 /// How a streamed read is set up.
 struct StreamPlan {
-    /// The statement, then fallbacks tried in turn when the server answers
-    /// error 207 (an old change table without `__$command_id`).
-    statements: Vec<Statement>,
+    /// The statement.
+    statement: Statement,
     isolation: Isolation,
     ctx: Ctx,
     sink: Sink,
     batch_rows: usize,
-    /// The capture instance to remember as lacking `__$command_id` on fallback.
-    fallback_marks: Option<String>,
 }
 
 type Ready = oneshot::Sender<Result<(), SourceError>>;
@@ -340,9 +345,9 @@ type Out = mpsc::Sender<Msg>;
 
 /// Runs one streamed read attempt on `conn`. Err carries whether rows had
 /// already been handed out (then the read cannot be retried).
-async fn stream_attempt(conn: &mut Conn, plan: &mut StreamPlan, which: usize, ready: &mut Option<Ready>, out: &Out) -> Result<(), (Fail, bool)> {
+async fn stream_attempt(conn: &mut Conn, plan: &mut StreamPlan, ready: &mut Option<Ready>, out: &Out) -> Result<(), (Fail, bool)> {
     set_isolation(conn, plan.isolation).await.map_err(|e| (Fail::Tds(e), false))?;
-    let stmt = &plan.statements[which];
+    let stmt = &plan.statement;
     let binds: Vec<Bind<'_>> = stmt.params.iter().map(Bind).collect();
     let refs: Vec<&dyn ToSql> = binds.iter().map(|b| b as &dyn ToSql).collect();
     let stream = conn.client.query(stmt.sql.as_str(), &refs).await.map_err(|e| (Fail::Tds(e), false))?;
@@ -368,7 +373,6 @@ async fn stream_attempt(conn: &mut Conn, plan: &mut StreamPlan, which: usize, re
 async fn stream_task(inner: Arc<Inner>, mut plan: StreamPlan, ready: Ready, out: Out) {
     let mut ready = Some(ready);
     let mut schedule = retry_schedule();
-    let mut which = 0usize;
     let mut fresh = false;
     loop {
         let mut conn = match inner.take(fresh).await {
@@ -384,7 +388,7 @@ async fn stream_task(inner: Arc<Inner>, mut plan: StreamPlan, ready: Ready, out:
             },
             Err(e) => return finish_err(&mut ready, &out, e).await,
         };
-        match stream_attempt(&mut conn, &mut plan, which, &mut ready, &out).await {
+        match stream_attempt(&mut conn, &mut plan, &mut ready, &out).await {
             Ok(()) => {
                 if let Some(r) = ready.take() {
                     let _ = r.send(Ok(()));
@@ -400,13 +404,6 @@ async fn stream_task(inner: Arc<Inner>, mut plan: StreamPlan, ready: Ready, out:
                 drop(conn);
                 if out.is_closed() {
                     return;
-                }
-                if !started && fail.code() == Some(207) && which + 1 < plan.statements.len() {
-                    which += 1;
-                    if let (Some(ci), Ok(mut set)) = (&plan.fallback_marks, inner.without_command_id.lock()) {
-                        set.insert(ci.clone());
-                    }
-                    continue;
                 }
                 let err = fail.into_source(&plan.ctx);
                 if let (SourceError::Transient(msg), false) = (&err, started) {
@@ -461,7 +458,7 @@ impl MssqlSource {
             password,
             idle: Mutex::new(Vec::new()),
             tables: Mutex::new(HashMap::new()),
-            without_command_id: Mutex::new(HashSet::new()),
+            has_command_id: Mutex::new(HashMap::new()),
         });
         let first = inner.open().await?;
         inner.release(first).await;
@@ -471,6 +468,29 @@ impl MssqlSource {
     /// The parsed settings (nothing secret).
     pub fn config(&self) -> &MssqlConfig {
         &self.inner.cfg
+    }
+
+    /// Whether the instance's change table has `__$command_id`, from the
+    /// catalog (cached for the process). An instance the catalog does not
+    /// list is a configuration error naming it.
+    async fn change_table_has_command_id(&self, capture_instance: &str) -> Result<bool, SourceError> {
+        if let Some(known) = self.inner.has_command_id.lock().ok().and_then(|m| m.get(capture_instance).copied()) {
+            return Ok(known);
+        }
+        let rows = self.rows(&sql::change_table_has_command_id(capture_instance), Isolation::ReadCommitted).await?;
+        let has = match rows.first() {
+            Some(r) => convert::row_i64(r, 0)?.unwrap_or(0) == 1,
+            None => {
+                return Err(SourceError::Config(format!(
+                    "capture instance '{capture_instance}' is not in cdc.change_tables (dropped, or this login cannot see it): \
+                     check the workflow's capture instance and the grants in docs/sqlserver.md"
+                )))
+            }
+        };
+        if let Ok(mut m) = self.inner.has_command_id.lock() {
+            m.insert(capture_instance.to_string(), has);
+        }
+        Ok(has)
     }
 
     async fn rows(&self, stmt: &Statement, iso: Isolation) -> Result<Vec<Row>, SourceError> {
@@ -706,19 +726,19 @@ impl CdcSource for MssqlSource {
     ) -> Result<BatchStream, SourceError> {
         let ci = &capture_instance.name;
         let cols = &capture_instance.columns;
-        let old = self.inner.without_command_id.lock().map(|s| s.contains(ci)).unwrap_or(false);
-        let mut statements = Vec::new();
-        if !old {
-            statements.push(sql::changes(ci, cols, from, to, filter, true));
+        let with_command_id = self.change_table_has_command_id(ci).await?;
+        if !with_command_id {
+            tracing::warn!(
+                capture_instance = %ci,
+                "the change table has no __$command_id (created before KB3030352): reading changes in (__$start_lsn, __$seqval, __$operation) order"
+            );
         }
-        statements.push(sql::changes(ci, cols, from, to, filter, false));
         self.open_stream(StreamPlan {
-            statements,
+            statement: sql::changes(ci, cols, from, to, filter, with_command_id),
             isolation: Isolation::ReadCommitted,
             ctx: Ctx { range: Some((ci.clone(), from, to)) },
             sink: Sink::Changes { builder: ChangeBatchBuilder::new(cols), types: cols.iter().map(|c| c.sql_type.clone()).collect() },
             batch_rows: batch_rows.max(1),
-            fallback_marks: Some(ci.clone()),
         })
         .await
     }
@@ -744,12 +764,11 @@ impl CdcSource for MssqlSource {
             .collect::<Result<_, _>>()?;
         let stmt = sql::snapshot_read(&read.table, &columns, &keys, &read.range).map_err(SourceError::Config)?;
         self.open_stream(StreamPlan {
-            statements: vec![stmt],
+            statement: stmt,
             isolation: read.isolation,
             ctx: Ctx::default(),
             sink: Sink::Rows { builder: BatchBuilder::new(&read.columns), types: read.columns.iter().map(|c| c.sql_type.clone()).collect() },
             batch_rows: read.batch_rows.max(1),
-            fallback_marks: None,
         })
         .await
     }
@@ -967,6 +986,16 @@ mod tests {
         assert!(matches!(map_server_error(1205, "deadlock victim", &none), SourceError::Transient(_)));
         assert!(matches!(map_server_error(40613, "database unavailable", &none), SourceError::Transient(_)));
         assert!(matches!(map_server_error(8134, "divide by zero", &none), SourceError::Other(_)));
+    }
+
+    /// 601 (a NOLOCK scan lost its place) and 3961 (SNAPSHOT met a concurrent
+    /// DDL) pass on a new attempt: temporary, so retried and then exit 75.
+    #[test]
+    fn nolock_data_movement_and_snapshot_ddl_are_transient() {
+        for code in [601, 3961] {
+            let e = classify_server_error(code, "x", None);
+            assert!(matches!(e, SourceError::Transient(ref m) if m.contains(&code.to_string())), "{code}: {e:?}");
+        }
     }
 
     #[tokio::test]

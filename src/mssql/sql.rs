@@ -34,6 +34,49 @@
 //! (`BETWEEN @P1 AND @P2`, bigint) follow the same rule, and their arithmetic
 //! runs in decimal(38,0), which no bigint overflows.
 //!
+//! # The change read and `__$command_id`
+//!
+//! `cdc.fn_cdc_get_all_changes_<ci>` returns `__$start_lsn`, `__$seqval`,
+//! `__$operation`, `__$update_mask` and the captured columns, never
+//! `__$command_id`: that column lives only in the change table
+//! `cdc.[<ci>_CT]` (added by the KB3030352 servicing updates, present on
+//! every table created from SQL Server 2017). Inside one transaction only
+//! `__$command_id` orders the operations: a set-based update of a unique key
+//! can log a row's insert before another row's delete of the same key, so
+//! `__$seqval` order would make the delete the key's latest image.
+//!
+//! [`changes`] therefore joins the function's rows to `_CT` on
+//! (`__$start_lsn`, `__$seqval`, `__$operation`) and orders by the command id
+//! it finds there. Why a join and not a direct read of `_CT` (Debezium's
+//! "direct" mode):
+//! * the function keeps validating the range on the server, in the same
+//!   statement: a `from` below the instance's min LSN, a `to` above max LSN
+//!   or `from > to` is still error 313, so a purged range is never read
+//!   silently and no check of our own can drift from the server's;
+//! * the function applies the gating role, so a reader granted only the role
+//!   keeps working (reading `_CT` needs SELECT on the `cdc` schema too, which
+//!   docs/sqlserver.md already asks for);
+//! * the three join columns were the unique clustered key of `_CT` before
+//!   KB3030352 (the update only added `__$command_id` to it), so each
+//!   function row meets exactly one `_CT` row. The stream still checks it
+//!   (`engine::change_order` refuses a change that comes twice in one
+//!   transaction as a bug, rather than writing it under two command ids);
+//! * `_CT` is read `WITH (NOLOCK)` as the function reads it, so both sides
+//!   see the same rows and neither blocks behind cleanup's deletes. A row that
+//!   cleanup deletes between the two reads drops out of the inner join; that
+//!   only happens when cleanup passed `from`, which the stream's check of the
+//!   min LSN after every read catches.
+//!
+//! A change table without the column (created before the update, or on a
+//! server where `sp_vupgrade_replication` never ran) is found from the
+//! catalog, [`change_table_has_command_id`] (`sys.columns` of the `_CT`
+//! table), before the read rather than by waiting for error 207. Its rows
+//! are read from the function alone, `__$command_id` NULL, in
+//! (`__$start_lsn`, `__$seqval`, `__$operation`) order, the only order
+//! such a server offers. That order is right except where a transaction
+//! logs a key's insert before its delete; `engine::change_order` refuses
+//! exactly those batches (exit 3) instead of dropping the key.
+//!
 //! The golden tests at the bottom snapshot each statement and parse it with
 //! sqlparser's SQL Server dialect.
 
@@ -249,9 +292,30 @@ pub fn index_columns(t: &TableName) -> Statement {
     )
 }
 
+/// `cdc.[<ci>_CT]`: the change table of a capture instance, quoted as one identifier.
+pub fn change_table(capture_instance: &str) -> String {
+    format!("cdc.{}", quote_ident(&format!("{capture_instance}_CT")))
+}
+
+/// Whether the instance's change table has a `__$command_id` column (read
+/// from `sys.columns` of the `_CT` table). Column: has_command_id (int, 0 or
+/// 1; no row when the instance does not exist).
+pub fn change_table_has_command_id(capture_instance: &str) -> Statement {
+    Statement::new(
+        "SELECT CAST(CASE WHEN EXISTS (SELECT 1 FROM sys.columns AS c WHERE c.object_id = ct.object_id AND c.name = N'__$command_id') \
+         THEN 1 ELSE 0 END AS int) AS has_command_id \
+         FROM cdc.change_tables AS ct WHERE ct.capture_instance = @P1"
+            .into(),
+        vec![SqlValue::Str(capture_instance.into())],
+    )
+}
+
 /// The changes of one instance in `[from, to]` with their commit times, in
-/// commit order. Change tables from before KB3030352 have no `__$command_id`:
-/// with `with_command_id = false` it is read as NULL and left out of the order.
+/// commit order (see the module docs). With `with_command_id` the function's
+/// rows are joined to the change table for `__$command_id`, which then
+/// orders each transaction; without it (a change table from before
+/// KB3030352) `__$command_id` is NULL and the order is
+/// (`__$start_lsn`, `__$seqval`, `__$operation`).
 pub fn changes(
     capture_instance: &str,
     columns: &[ColumnDesc],
@@ -270,13 +334,19 @@ pub fn changes(
         quote_ident(CHANGE_COMMAND_ID),
         quote_ident(CHANGE_TRAN_END_TIME),
     );
-    let cmd_item = if with_command_id { format!("c.{cmd}") } else { format!("CAST(NULL AS int) AS {cmd}") };
+    let cmd_item = if with_command_id { format!("t.{cmd}") } else { format!("CAST(NULL AS int) AS {cmd}") };
     let mut items = vec![format!("c.{start}"), format!("c.{seq}"), format!("c.{op}"), cmd_item, format!("m.tran_end_time AS {time}")];
     items.extend(columns.iter().map(|c| select_item("c.", c)));
-    let order = if with_command_id {
-        format!("c.{start}, c.{cmd}, c.{seq}, c.{op}")
+    let (join, order) = if with_command_id {
+        (
+            format!(
+                " JOIN {} AS t WITH (NOLOCK) ON t.{start} = c.{start} AND t.{seq} = c.{seq} AND t.{op} = c.{op}",
+                change_table(capture_instance)
+            ),
+            format!("c.{start}, t.{cmd}, c.{seq}, c.{op}"),
+        )
     } else {
-        format!("c.{start}, c.{seq}, c.{op}")
+        (String::new(), format!("c.{start}, c.{seq}, c.{op}"))
     };
     let filter = match filter {
         RowFilter::All => "N'all'",
@@ -284,7 +354,7 @@ pub fn changes(
     };
     Statement::new(
         format!(
-            "SELECT {} FROM {}({from_p}, {to_p}, {filter}) AS c LEFT JOIN cdc.lsn_time_mapping AS m ON m.start_lsn = c.{start} ORDER BY {order}",
+            "SELECT {} FROM {}({from_p}, {to_p}, {filter}) AS c{join} LEFT JOIN cdc.lsn_time_mapping AS m ON m.start_lsn = c.{start} ORDER BY {order}",
             items.join(", "),
             all_changes_function(capture_instance),
         ),
@@ -645,6 +715,19 @@ mod tests {
         golden("changes_all", &changes("dbo_Orders", &cols(), a, b, RowFilter::All, true));
         golden("changes_update_old", &changes("odd ]ci'", &cols(), a, b, RowFilter::AllUpdateOld, true));
         golden("changes_no_command_id", &changes("dbo_Orders", &cols(), a, b, RowFilter::All, false));
+        golden("change_table_has_command_id", &change_table_has_command_id("odd ]ci'"));
+    }
+
+    /// The change function never returns `__$command_id`: it must come from
+    /// the change table, joined on the function's own row identity.
+    #[test]
+    fn command_id_comes_from_the_change_table() {
+        let (a, b) = (Lsn::from_parts(1, 2, 3), Lsn::from_parts(4, 5, 6));
+        let st = changes("dbo_Orders", &cols(), a, b, RowFilter::All, true);
+        assert!(!st.sql.contains("c.[__$command_id]"), "the function has no __$command_id: {}", st.sql);
+        assert!(st.sql.contains("JOIN cdc.[dbo_Orders_CT] AS t WITH (NOLOCK) ON t.[__$start_lsn] = c.[__$start_lsn]"), "{}", st.sql);
+        assert!(st.sql.ends_with("ORDER BY c.[__$start_lsn], t.[__$command_id], c.[__$seqval], c.[__$operation]"), "{}", st.sql);
+        assert_eq!(change_table("a]b"), "cdc.[a]]b_CT]");
     }
 
     #[test]

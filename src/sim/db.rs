@@ -338,6 +338,9 @@ pub(crate) fn table_meta(id: i64, spec: TableSpec, captured: bool) -> Result<Tab
 pub(crate) struct InstanceRow {
     pub id: i64,
     pub table_id: i64,
+    /// Whether the instance's change table (`cdc.<ci>_CT`) has
+    /// `__$command_id`: false for a table created before KB3030352.
+    pub ct_command_id: bool,
     pub created_lsn: Lsn,
     pub info: CaptureInstance,
 }
@@ -355,7 +358,7 @@ CREATE TABLE rows(table_id INTEGER NOT NULL, sk BLOB NOT NULL, uk BLOB, data TEX
 CREATE UNIQUE INDEX rows_uk ON rows(table_id, uk);
 CREATE TABLE instances(id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE COLLATE NOCASE,
     table_id INTEGER NOT NULL, start_lsn BLOB, created_lsn BLOB NOT NULL,
-    columns TEXT NOT NULL, index_columns TEXT NOT NULL);
+    columns TEXT NOT NULL, index_columns TEXT NOT NULL, ct_command_id INTEGER NOT NULL DEFAULT 1);
 CREATE TABLE changes(instance_id INTEGER NOT NULL, start_lsn BLOB NOT NULL, command_id INTEGER NOT NULL,
     seqval BLOB NOT NULL, operation INTEGER NOT NULL, data TEXT NOT NULL,
     PRIMARY KEY(instance_id, start_lsn, command_id, seqval, operation)) WITHOUT ROWID;
@@ -365,7 +368,7 @@ CREATE INDEX mapping_end ON lsn_time_mapping(tran_end_ticks);
 CREATE TABLE pending(commit_lsn BLOB PRIMARY KEY, begin_lsn BLOB NOT NULL, begin_us INTEGER NOT NULL,
     commit_us INTEGER NOT NULL, ops TEXT NOT NULL);
 CREATE TABLE faults(id INTEGER PRIMARY KEY, on_kind TEXT NOT NULL, after_rows INTEGER NOT NULL,
-    remaining INTEGER NOT NULL);
+    remaining INTEGER NOT NULL, error_number INTEGER);
 ";
 
 /// Opens an existing simulator file with the settings every connection uses.
@@ -505,7 +508,7 @@ pub(crate) fn find_table(conn: &Connection, path: &Path, name: &TableName) -> Re
 pub(crate) fn load_instances(conn: &Connection, path: &Path, table_id: Option<i64>) -> Result<Vec<InstanceRow>> {
     let mut st = conn
         .prepare_cached(
-            "SELECT i.id, i.name, i.table_id, i.start_lsn, i.created_lsn, i.columns, i.index_columns, t.schema_name, t.name
+            "SELECT i.id, i.name, i.table_id, i.start_lsn, i.created_lsn, i.columns, i.index_columns, t.schema_name, t.name, i.ct_command_id
              FROM instances i JOIN src_tables t ON t.id = i.table_id
              WHERE ?1 IS NULL OR i.table_id = ?1 ORDER BY i.id",
         )
@@ -522,18 +525,20 @@ pub(crate) fn load_instances(conn: &Connection, path: &Path, table_id: Option<i6
                 r.get::<_, String>(6)?,
                 r.get::<_, String>(7)?,
                 r.get::<_, String>(8)?,
+                r.get::<_, bool>(9)?,
             ))
         })
         .ctx(path)?
         .collect::<rusqlite::Result<Vec<_>>>()
         .ctx(path)?;
     raw.into_iter()
-        .map(|(id, name, table_id, start, created, cols, idx, sch, tn)| {
+        .map(|(id, name, table_id, start, created, cols, idx, sch, tn, ct_command_id)| {
             let columns: Vec<ColumnDesc> = serde_json::from_str(&cols).map_err(|e| SimError::Corrupt(format!("instance columns: {e}")))?;
             let index_columns: Vec<String> = serde_json::from_str(&idx).map_err(|e| SimError::Corrupt(format!("instance index: {e}")))?;
             Ok(InstanceRow {
                 id,
                 table_id,
+                ct_command_id,
                 created_lsn: lsn_from_blob(created)?,
                 info: CaptureInstance {
                     name,
@@ -737,6 +742,10 @@ fn named(t: &TableMeta, row: &[SqlValue]) -> Vec<(String, SqlValue)> {
 
 struct LoggedOp {
     table_id: i64,
+    /// Where the operation stands in the transaction's command order (the
+    /// order `__$command_id` numbers); the Vec's order is the log order
+    /// (`__$seqval`). The two differ only inside a set-based key update.
+    command_pos: (u64, u64),
     kind: u8,
     key_changed: bool,
     before: Option<Vec<(String, SqlValue)>>,
@@ -817,7 +826,14 @@ impl<'a> SimTx<'a> {
         }
         self.statements += 1;
         if t.captured {
-            self.ops.push(LoggedOp { table_id: t.id, kind: 2, key_changed: false, before: None, after: Some(named(&t, &row)) });
+            self.ops.push(LoggedOp {
+                table_id: t.id,
+                command_pos: (self.statements, 0),
+                kind: 2,
+                key_changed: false,
+                before: None,
+                after: Some(named(&t, &row)),
+            });
         }
         Ok(())
     }
@@ -844,6 +860,7 @@ impl<'a> SimTx<'a> {
         if t.captured {
             self.ops.push(LoggedOp {
                 table_id: t.id,
+                command_pos: (self.statements, 0),
                 kind: 3,
                 key_changed,
                 before: Some(named(&t, &old_row)),
@@ -860,7 +877,85 @@ impl<'a> SimTx<'a> {
         self.conn.execute("DELETE FROM rows WHERE table_id = ?1 AND sk = ?2", params![t.id, sk]).ctx(self.path)?;
         self.statements += 1;
         if t.captured {
-            self.ops.push(LoggedOp { table_id: t.id, kind: 1, key_changed: false, before: Some(named(&t, &old_row)), after: None });
+            self.ops.push(LoggedOp {
+                table_id: t.id,
+                command_pos: (self.statements, 0),
+                kind: 1,
+                key_changed: false,
+                before: Some(named(&t, &old_row)),
+                after: None,
+            });
+        }
+        Ok(())
+    }
+
+    /// One set-based UPDATE that gives several rows new key values at once
+    /// (`UPDATE t SET id = id + 1`, or keys swapped): `changes` maps each
+    /// row's current key to its new row. Uniqueness is checked at the end of
+    /// the statement, as SQL Server checks it, so keys may pass through
+    /// values another row still holds. SQL Server runs it as a deferred
+    /// update: every old row is deleted, then every new row inserted. CDC
+    /// captures a delete and an insert per row, each with its own seqval,
+    /// and (KB3030352) the log may hold the inserts *before* the deletes:
+    /// this model logs them that way, while `__$command_id` numbers the
+    /// deletes first, the order the statement ran them in.
+    pub fn update_keys(&mut self, table: &TableName, changes: Vec<(Key, Vec<SqlValue>)>) -> Result<()> {
+        let t = self.table(table)?;
+        if t.is_heap() {
+            return Err(SimError::BadArgument(format!("table {} has no key to update set-based", t.spec.name)));
+        }
+        let mut old_rows = Vec::new();
+        for (key, _) in &changes {
+            let (sk, row) = self.find(&t, key)?.ok_or_else(|| SimError::RowNotFound { table: t.spec.name.to_string(), key: key_text(key) })?;
+            if old_rows.iter().any(|(s, _)| *s == sk) {
+                return Err(SimError::BadArgument(format!("key {} is updated twice in one statement", key_text(key))));
+            }
+            old_rows.push((sk, row));
+        }
+        for (sk, _) in &old_rows {
+            self.conn.execute("DELETE FROM rows WHERE table_id = ?1 AND sk = ?2", params![t.id, sk]).ctx(self.path)?;
+        }
+        let mut new_rows = Vec::new();
+        for (_, row) in changes {
+            let row = coerce_row(&t, row)?;
+            let data = serde_json::to_string(&row).expect("values serialise");
+            match self.conn.execute(
+                "INSERT INTO rows(table_id, sk, uk, data) VALUES (?1, ?2, ?3, ?4)",
+                params![t.id, t.row_sort_key(&row), t.row_unique_key(&row), data],
+            ) {
+                Ok(_) => {}
+                Err(e) if is_constraint(&e) => {
+                    return Err(SimError::DuplicateKey { table: t.spec.name.to_string(), key: key_text(&dup_key(&t, &row)) })
+                }
+                Err(e) => return Err(e).ctx(self.path),
+            }
+            new_rows.push(row);
+        }
+        let statement = self.statements;
+        self.statements += 1;
+        if t.captured {
+            let n = old_rows.len() as u64;
+            // Log order: the inserts, then the deletes (insert-before-delete).
+            for (i, row) in new_rows.iter().enumerate() {
+                self.ops.push(LoggedOp {
+                    table_id: t.id,
+                    command_pos: (statement, n + i as u64),
+                    kind: 2,
+                    key_changed: false,
+                    before: None,
+                    after: Some(named(&t, row)),
+                });
+            }
+            for (i, (_, row)) in old_rows.iter().enumerate() {
+                self.ops.push(LoggedOp {
+                    table_id: t.id,
+                    command_pos: (statement, i as u64),
+                    kind: 1,
+                    key_changed: false,
+                    before: Some(named(&t, row)),
+                    after: None,
+                });
+            }
         }
         Ok(())
     }
@@ -1117,25 +1212,44 @@ fn cleanup_tx(conn: &Connection, path: &Path, cfg: &SimConfig, retention: Option
 }
 
 /// Takes one matching fault, if any is armed: the rows the read may deliver before failing.
-pub(crate) fn take_fault(conn: &mut Connection, path: &Path, on: FaultOn) -> Result<Option<u64>> {
+pub(crate) fn take_fault(conn: &mut Connection, path: &Path, on: FaultOn) -> Result<Option<(u64, Option<u32>)>> {
     let armed: bool = conn.query_row("SELECT EXISTS(SELECT 1 FROM faults WHERE remaining > 0)", [], |r| r.get(0)).ctx(path)?;
     if !armed {
         return Ok(None);
     }
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).ctx(path)?;
-    let f: Option<(i64, i64)> = tx
+    let f: Option<(i64, i64, Option<i64>)> = tx
         .query_row(
-            "SELECT id, after_rows FROM faults WHERE remaining > 0 AND (on_kind = ?1 OR on_kind = 'any') ORDER BY id LIMIT 1",
+            "SELECT id, after_rows, error_number FROM faults WHERE remaining > 0 AND (on_kind = ?1 OR on_kind = 'any') ORDER BY id LIMIT 1",
             [on.as_str()],
-            |r| Ok((r.get(0)?, r.get(1)?)),
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
         )
         .optional()
         .ctx(path)?;
-    if let Some((id, _)) = f {
+    if let Some((id, _, _)) = f {
         tx.execute("UPDATE faults SET remaining = remaining - 1 WHERE id = ?1", [id]).ctx(path)?;
     }
     tx.commit().ctx(path)?;
-    Ok(f.map(|(_, n)| n.max(0) as u64))
+    Ok(f.map(|(_, n, e)| (n.max(0) as u64, e.map(|e| e as u32))))
+}
+
+/// Runs an armed cleanup-before-change-read (see
+/// [`SimDb::cleanup_before_next_change_read`]): cleanup to the max LSN.
+pub(crate) fn take_cleanup_before_changes(conn: &mut Connection, path: &Path) -> Result<bool> {
+    let armed: bool = conn
+        .query_row("SELECT EXISTS(SELECT 1 FROM faults WHERE remaining > 0 AND on_kind = 'cleanup_before_changes')", [], |r| r.get(0))
+        .ctx(path)?;
+    if !armed {
+        return Ok(false);
+    }
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).ctx(path)?;
+    tx.execute("UPDATE faults SET remaining = remaining - 1 WHERE on_kind = 'cleanup_before_changes' AND remaining > 0", []).ctx(path)?;
+    let cfg = load_config(&tx, path)?;
+    if let Some(max) = max_lsn(&tx, path)? {
+        cleanup_tx(&tx, path, &cfg, None, Some(max))?;
+    }
+    tx.commit().ctx(path)?;
+    Ok(true)
 }
 
 // ---------------------------------------------------------------------------
@@ -1382,6 +1496,10 @@ impl SimDb {
             }
         };
         if !ops.is_empty() {
+            // seqval follows the log order (the Vec's), command id the order
+            // the statements ran the operations in.
+            let mut by_command: Vec<(u64, u64)> = ops.iter().map(|o| o.command_pos).collect();
+            by_command.sort_unstable();
             let pending: Vec<PendingOp> = ops
                 .into_iter()
                 .enumerate()
@@ -1390,7 +1508,7 @@ impl SimDb {
                     kind: o.kind,
                     key_changed: o.key_changed,
                     seqval: Lsn::from_u128(first + 1 + i as u128),
-                    command_id: i as i32 + 1,
+                    command_id: by_command.partition_point(|p| *p < o.command_pos) as i32 + 1,
                     before: o.before,
                     after: o.after,
                 })
@@ -1446,6 +1564,49 @@ impl SimDb {
             )
             .ctx(p)?;
             Ok(info)
+        })
+    }
+
+    /// Enables CDC as a server without the KB3030352 update did: the new
+    /// instance's change table has no `__$command_id` column, so its reads
+    /// order each transaction by `__$seqval` and return the column as NULL.
+    pub fn enable_cdc_without_command_id(
+        &self,
+        table: &TableName,
+        capture_instance: Option<&str>,
+        captured_columns: Option<Vec<String>>,
+    ) -> Result<CaptureInstance> {
+        let info = self.enable_cdc(table, capture_instance, captured_columns)?;
+        self.write(|c, p| {
+            c.execute("UPDATE instances SET ct_command_id = 0 WHERE name = ?1", [&info.name]).ctx(p)?;
+            Ok(())
+        })?;
+        Ok(info)
+    }
+
+    /// Arms a numbered server error for the next matching reads: the read
+    /// delivers `after_rows` rows, then fails with SQL Server error `number`
+    /// (601 for a NOLOCK scan that lost its place, 3961 for SNAPSHOT against
+    /// a concurrent DDL, ...), classified as the client classifies it.
+    pub fn inject_server_error(&self, on: FaultOn, after_rows: u64, times: u32, number: u32) -> Result<()> {
+        self.write(|c, p| {
+            c.execute(
+                "INSERT INTO faults(on_kind, after_rows, remaining, error_number) VALUES (?1, ?2, ?3, ?4)",
+                params![on.as_str(), after_rows as i64, times as i64, number as i64],
+            )
+            .ctx(p)?;
+            Ok(())
+        })
+    }
+
+    /// Arms a cleanup that runs right before the next change read checks its
+    /// range, moving every instance's min LSN up to the max LSN: the race
+    /// where cleanup passes a stream between its check of the min LSN and its
+    /// read, so the read itself fails with error 313.
+    pub fn cleanup_before_next_change_read(&self) -> Result<()> {
+        self.write(|c, p| {
+            c.execute("INSERT INTO faults(on_kind, after_rows, remaining) VALUES ('cleanup_before_changes', 0, 1)", []).ctx(p)?;
+            Ok(())
         })
     }
 

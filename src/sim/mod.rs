@@ -12,16 +12,23 @@
 //!   [`SimSource`] call) moves pending transactions older than the capture lag
 //!   into the change tables and `lsn_time_mapping`, strictly in LSN order, in
 //!   one SQLite transaction. Key-changing updates become a delete/insert pair
-//!   sharing a seqval; other updates a before/after pair. Mapping times are
+//!   sharing a seqval; other updates a before/after pair. A set-based key
+//!   update ([`SimTx::update_keys`]) gives each row a delete and an insert
+//!   with their own seqvals, logged inserts first (the KB3030352 symptom)
+//!   while `__$command_id` numbers the deletes first. Mapping times are
 //!   server-local `datetime` values (the configured zone, DST included, on the
 //!   1/300 s grid).
 //! - **Cleanup** ([`SimDb::cleanup`]) moves each instance's validity start up
 //!   to the retention watermark and purges change and mapping rows below it.
 //! - **Reads** go through [`SimSource`], the [`crate::source::CdcSource`]
 //!   implementation: consistent streamed snapshots over a memcomparable key
-//!   index ([`keys`]), the all-changes function with its error 313, time/LSN
+//!   index ([`keys`]), the all-changes function with its error 313 (it has
+//!   no `__$command_id`; the change table has it, except on an instance made
+//!   by [`SimDb::enable_cdc_without_command_id`], an old server's), time/LSN
 //!   mapping, SNAPSHOT refused unless allowed (error 3952), optional latency,
-//!   per-stream row rate limits and injected connection faults.
+//!   per-stream row rate limits, injected connection faults, numbered server
+//!   errors ([`SimDb::inject_server_error`]) and a cleanup that races the
+//!   next change read ([`SimDb::cleanup_before_next_change_read`]).
 //! - **Schema changes**: added columns are ignored by existing capture
 //!   instances; dropped captured columns read as NULL; at most two instances
 //!   per table.

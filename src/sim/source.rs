@@ -91,6 +91,7 @@ impl SimSource {
                 tx,
                 batch_rows: batch_rows.max(1),
                 fault_after: None,
+                fault_error: None,
                 rate: None,
                 started: Instant::now(),
                 sent: 0,
@@ -98,7 +99,13 @@ impl SimSource {
             };
             let res = (|| -> Result<(), SourceError> {
                 let (mut conn, cfg) = prepare(&path).map_err(|e| map_err(&path, e))?;
-                sink.fault_after = db::take_fault(&mut conn, &path, on).map_err(|e| map_err(&path, e))?;
+                let fault = db::take_fault(&mut conn, &path, on).map_err(|e| map_err(&path, e))?;
+                sink.fault_after = fault.map(|(n, _)| n);
+                sink.fault_error = fault.and_then(|(_, e)| e);
+                if on == FaultOn::Changes {
+                    // Cleanup armed to run after the caller's min LSN check, before the read's.
+                    db::take_cleanup_before_changes(&mut conn, &path).map_err(|e| map_err(&path, e))?;
+                }
                 sink.rate = cfg.conn_rows_per_s.filter(|r| *r > 0);
                 conn.execute_batch("BEGIN DEFERRED").ctx(&path).map_err(|e| map_err(&path, e))?;
                 let r = body(&conn, &path, &cfg, &mut sink);
@@ -167,6 +174,8 @@ struct Sink {
     tx: mpsc::Sender<Result<RecordBatch, SourceError>>,
     batch_rows: usize,
     fault_after: Option<u64>,
+    /// The SQL Server error number the armed fault raises (None: a dropped connection).
+    fault_error: Option<u32>,
     rate: Option<u64>,
     started: Instant,
     sent: u64,
@@ -203,10 +212,17 @@ impl Sink {
             FaultOn::Changes => "change read",
             FaultOn::Any => "read",
         };
-        let _ = self.tx.blocking_send(Err(SourceError::Transient(format!(
-            "connection dropped (simulated fault) during a {what} after {} rows",
-            self.fault_after.unwrap_or(0)
-        ))));
+        let rows = self.fault_after.unwrap_or(0);
+        let err = match self.fault_error {
+            // The server's numbered error, classified as the client classifies a real one.
+            Some(number) => crate::mssql::client::classify_server_error(
+                number,
+                &format!("simulated server error {number} during a {what} after {rows} rows"),
+                None,
+            ),
+            None => SourceError::Transient(format!("connection dropped (simulated fault) during a {what} after {rows} rows")),
+        };
+        let _ = self.tx.blocking_send(Err(err));
     }
 }
 
@@ -464,12 +480,24 @@ impl CdcSource for SimSource {
             }
             let columns = inst.info.columns.clone();
             let mut em = Emitter::new(sink, ChangeBatchBuilder::new(&columns));
+            // The change function has no __$command_id; it is read from the
+            // change table when that has the column. An old change table
+            // (before KB3030352) has none: the rows come in
+            // (start_lsn, seqval, operation) order with the column NULL, and
+            // the command id (kept here only as the storage key) is read as
+            // 0, so it neither orders nor leaks.
+            let ct_command_id = inst.ct_command_id;
+            let (cmd, order) = if ct_command_id {
+                ("c.command_id", "c.start_lsn, c.command_id, c.seqval, c.operation")
+            } else {
+                ("0", "c.start_lsn, c.seqval, c.operation")
+            };
             let sql = format!(
-                "SELECT c.start_lsn, c.command_id, c.seqval, c.operation, c.data, m.tran_end_ticks
+                "SELECT c.start_lsn, {cmd}, c.seqval, c.operation, c.data, m.tran_end_ticks
                  FROM changes c LEFT JOIN lsn_time_mapping m ON m.start_lsn = c.start_lsn
-                 WHERE c.instance_id = ?1 AND (c.start_lsn, c.command_id, c.seqval, c.operation) > (?2, ?3, ?4, ?5)
+                 WHERE c.instance_id = ?1 AND (c.start_lsn, {cmd}, c.seqval, c.operation) > (?2, ?3, ?4, ?5)
                    AND c.start_lsn <= ?6 {}
-                 ORDER BY c.start_lsn, c.command_id, c.seqval, c.operation LIMIT ?7",
+                 ORDER BY {order} LIMIT ?7",
                 if filter == RowFilter::All { "AND c.operation <> 3" } else { "" }
             );
             let mut cur: (Vec<u8>, i64, Vec<u8>, i64) = (from.0.to_vec(), i64::MIN, Vec::new(), i64::MIN);
@@ -491,7 +519,7 @@ impl CdcSource for SimSource {
                         start_lsn: lsn_of(start.clone(), path)?,
                         seqval: lsn_of(seq.clone(), path)?,
                         operation: op as i32,
-                        command_id: Some(cmd as i32),
+                        command_id: ct_command_id.then_some(cmd as i32),
                         tran_end_time: end.map(db::from_ticks),
                         values,
                     };

@@ -319,7 +319,11 @@ pub trait CdcSource: Send + Sync {
 
     /// The changes of one capture instance with `from <= __$start_lsn <= to`
     /// (a closed range, as `cdc.fn_cdc_get_all_changes_<ci>`), ordered by
-    /// (`__$start_lsn`, `__$command_id`, `__$seqval`, `__$operation`), in
+    /// (`__$start_lsn`, `__$command_id`, `__$seqval`, `__$operation`) with the
+    /// command id read from the change table; on a change table without the
+    /// column (before KB3030352) it is NULL and the order is
+    /// (`__$start_lsn`, `__$seqval`, `__$operation`), which
+    /// `engine::change_order` checks. In
     /// batches of at most `batch_rows` rows with the schema of
     /// [`change_schema`]. `RangeUnavailable` when `from` is below the
     /// instance's min LSN, `to` above max LSN, or `from > to` (error 313).
