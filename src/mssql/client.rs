@@ -552,13 +552,19 @@ impl MssqlSource {
         width: i64,
         isolation: Isolation,
     ) -> Result<Vec<(i64, u64, i128)>, SourceError> {
+        self.bucket_rows(sql::bucket_sums(table, key, lo, hi, width), lo, hi, width, isolation).await
+    }
+
+    /// Runs a tier-1 bucket statement (integer or date key) and reads its
+    /// rows: slice start, row count, exact sum of the key.
+    async fn bucket_rows(&self, stmt: sql::Statement, lo: i64, hi: i64, width: i64, isolation: Isolation) -> Result<Vec<(i64, u64, i128)>, SourceError> {
         if width <= 0 {
             return Err(SourceError::Other(format!("bucket width must be positive, not {width}")));
         }
         if lo > hi {
             return Ok(vec![]);
         }
-        let rows = self.rows(&sql::bucket_sums(table, key, lo, hi, width), isolation).await?;
+        let rows = self.rows(&stmt, isolation).await?;
         rows.iter()
             .map(|r| {
                 let start = convert::row_i64(r, 0)?.unwrap_or_default();
@@ -922,26 +928,7 @@ impl CdcSource for MssqlSource {
         width: i64,
         isolation: Isolation,
     ) -> Result<Vec<(i64, u64, i128)>, SourceError> {
-        if width <= 0 {
-            return Err(SourceError::Other(format!("bucket width must be positive, not {width}")));
-        }
-        if lo > hi {
-            return Ok(vec![]);
-        }
-        let rows = self.rows(&sql::date_bucket_sums(table, key, lo, hi, width), isolation).await?;
-        rows.iter()
-            .map(|r| {
-                let start = convert::row_i64(r, 0)?.unwrap_or_default();
-                let n = convert::row_i64(r, 1)?.unwrap_or_default() as u64;
-                let d = r.get_column_data(2).map_err(|e| SourceError::Other(e.to_string()))?;
-                let sum = match convert::column_value(d, &SqlType::Decimal { precision: 38, scale: 0 }).map_err(SourceError::Other)? {
-                    SqlValue::Decimal { value, scale: 0 } => value,
-                    SqlValue::Int(v) => v as i128,
-                    other => return Err(SourceError::Other(format!("unexpected key sum {other}"))),
-                };
-                Ok((start, n, sum))
-            })
-            .collect()
+        self.bucket_rows(sql::date_bucket_sums(table, key, lo, hi, width), lo, hi, width, isolation).await
     }
 }
 
