@@ -315,8 +315,9 @@ impl SqlValue {
     }
 
     /// A canonical text form: equal under SQL Server's comparison rules for the
-    /// given type gives equal text for everything but strings (which keep their
-    /// case; use [`collation_key`] to compare them). Used for hashing and diffs.
+    /// given type gives equal text for everything but strings and binary
+    /// values, which keep their exact form (collations are the server's). Used
+    /// for hashing and diffs.
     pub fn canonical(&self) -> String {
         match self {
             SqlValue::Null => "null".into(),
@@ -354,14 +355,6 @@ pub fn format_decimal(value: i128, scale: u8) -> String {
     format!("{}{}.{}", if neg { "-" } else { "" }, int, frac)
 }
 
-/// The form of a string under the case-insensitive, trailing-space-insensitive
-/// collation SQL Server tables use by default (`SQL_Latin1_General_CP1_CI_AS`):
-/// trailing spaces dropped, case folded. Two strings compare equal under the
-/// collation exactly when their keys are equal.
-pub fn collation_key(s: &str) -> String {
-    s.trim_end_matches(' ').to_lowercase()
-}
-
 /// The bytes of a uniqueidentifier in the order SQL Server sorts them: the last
 /// six bytes first, then bytes 8-9, 6-7, 4-5, 0-3 (each group as stored).
 pub fn guid_sort_key(g: &Uuid) -> [u8; 16] {
@@ -376,9 +369,17 @@ pub fn guid_sort_key(g: &Uuid) -> [u8; 16] {
     out
 }
 
-/// Compares two values as SQL Server's ORDER BY does: NULL first, strings under
-/// the case-insensitive collation with trailing spaces ignored, uniqueidentifier
-/// in SQL Server's byte order, decimals exactly whatever their scales.
+/// Compares two values by value, as SQL Server's ORDER BY does for every type
+/// but strings: NULL first, uniqueidentifier in SQL Server's byte order,
+/// decimals exactly whatever their scales, binary values as if the shorter
+/// were padded with 0x00 (so `0x01` equals `0x0100`, as the server has it).
+///
+/// Strings compare by code point with trailing spaces ignored: the order of a
+/// `_BIN2` nvarchar column, and of no other collation. The engine never uses
+/// it to decide about a source column's strings (linguistic order, case,
+/// accent and width rules are the server's: `CdcSource::compare_keys`); it
+/// keeps the function total for in-memory tests and for values that are not
+/// keys.
 pub fn sql_cmp(a: &SqlValue, b: &SqlValue) -> Ordering {
     use SqlValue::*;
     match (a, b) {
@@ -391,8 +392,8 @@ pub fn sql_cmp(a: &SqlValue, b: &SqlValue) -> Ordering {
         (Int(x), Decimal { value, scale }) => cmp_decimal(*x as i128, 0, *value, *scale),
         (Decimal { value, scale }, Int(y)) => cmp_decimal(*value, *scale, *y as i128, 0),
         (Float(x), Float(y)) => x.total_cmp(y),
-        (Str(x), Str(y)) => collation_key(x).cmp(&collation_key(y)),
-        (Bytes(x), Bytes(y)) => x.cmp(y),
+        (Str(x), Str(y)) => x.trim_end_matches(' ').cmp(y.trim_end_matches(' ')),
+        (Bytes(x), Bytes(y)) => trim_zeros(x).cmp(trim_zeros(y)),
         (Date(x), Date(y)) => x.cmp(y),
         (Time(x), Time(y)) => x.cmp(y),
         (DateTime(x), DateTime(y)) => x.cmp(y),
@@ -402,6 +403,12 @@ pub fn sql_cmp(a: &SqlValue, b: &SqlValue) -> Ordering {
         // function stays total.
         _ => kind_rank(a).cmp(&kind_rank(b)),
     }
+}
+
+/// A binary value without its trailing 0x00 bytes: comparing these is
+/// comparing the values padded to one length with 0x00 (0x00 is the least byte).
+fn trim_zeros(b: &[u8]) -> &[u8] {
+    &b[..b.iter().rposition(|&x| x != 0).map_or(0, |i| i + 1)]
 }
 
 fn kind_rank(v: &SqlValue) -> u8 {
@@ -722,10 +729,12 @@ mod tests {
     }
 
     #[test]
-    fn collation_ignores_case_and_trailing_spaces() {
-        assert_eq!(sql_cmp(&SqlValue::Str("abc ".into()), &SqlValue::Str("ABC".into())), Ordering::Equal);
-        assert_eq!(sql_cmp(&SqlValue::Str("n".into()), &SqlValue::Str("N".into())), Ordering::Equal);
-        assert_eq!(sql_cmp(&SqlValue::Str("a".into()), &SqlValue::Str("B".into())), Ordering::Less);
+    fn strings_by_code_point_and_binary_values_padded() {
+        // Only trailing spaces are ignored: case is a difference (a BIN2 column's order).
+        assert_eq!(sql_cmp(&SqlValue::Str("abc ".into()), &SqlValue::Str("abc".into())), Ordering::Equal);
+        assert_eq!(sql_cmp(&SqlValue::Str("B".into()), &SqlValue::Str("a".into())), Ordering::Less);
+        assert_eq!(sql_cmp(&SqlValue::Bytes(vec![1]), &SqlValue::Bytes(vec![1, 0, 0])), Ordering::Equal);
+        assert_eq!(sql_cmp(&SqlValue::Bytes(vec![1, 0]), &SqlValue::Bytes(vec![1, 0, 5])), Ordering::Less);
         assert_eq!(sql_cmp(&SqlValue::Null, &SqlValue::Int(i64::MIN)), Ordering::Less);
     }
 

@@ -127,7 +127,7 @@ async fn golden_chunked_bootstrap_of_three_waves() {
     let mut log = s.golden().await;
     log.push('\n');
     log.push_str(&plans_log(&s).await.join("\n"));
-    golden_settings!().bind(|| insta::assert_snapshot!("golden_chunked_three_waves", log));
+    common::golden_settings().bind(|| insta::assert_snapshot!("golden_chunked_three_waves", log));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -156,7 +156,7 @@ async fn golden_crash_after_a_waves_bronze_append_rebuilds_its_facts() {
     let mut log = s.golden().await;
     log.push('\n');
     log.push_str(&plans_log(&s).await.join("\n"));
-    golden_settings!().bind(|| insta::assert_snapshot!("golden_chunked_crash_after_wave_bronze", log));
+    common::golden_settings().bind(|| insta::assert_snapshot!("golden_chunked_crash_after_wave_bronze", log));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -265,7 +265,7 @@ async fn backfill_pauses_while_headroom_is_below_the_minimum() {
 /// A heap (no primary key, no unique index): `id` is unique in practice but
 /// not declared; `name` repeats, in mixed case, NULL now and then.
 fn heap_spec(table: &TableName) -> TableSpec {
-    TableSpec {
+    TableSpec { collations: Default::default(),
         name: table.clone(),
         columns: vec![
             ColumnDesc::new("id", SqlType::Int, false),

@@ -52,7 +52,7 @@ impl Heap {
         let dir = tempfile::tempdir().unwrap();
         let db = SimDb::create(&dir.path().join("source.sqlite"), common::manual_config()).unwrap();
         let table = TableName::new("dbo", "events");
-        db.create_table(&TableSpec { name: table.clone(), columns: columns(), primary_key: vec![], unique_index: vec![] }).unwrap();
+        db.create_table(&TableSpec { collations: Default::default(), name: table.clone(), columns: columns(), primary_key: vec![], unique_index: vec![] }).unwrap();
         let rows: Vec<Vec<SqlValue>> =
             (0..rows).map(|i| heap_row(if i % 37 == 5 { None } else { Some(i % 12) }, &format!("t{}", i % 5), (i % 3) * 150)).collect();
         db.load_rows(&table, rows.into_iter()).unwrap();

@@ -119,7 +119,7 @@ fn one_table_spelt_twice_or_nested_is_refused_before_anything_is_written() {
 }
 
 fn others_spec(name: &TableName) -> TableSpec {
-    TableSpec {
+    TableSpec { collations: Default::default(),
         name: name.clone(),
         columns: vec![ColumnDesc::new("code", SqlType::NVarChar { len: Some(10) }, false), ColumnDesc::new("v", SqlType::Int, true)],
         primary_key: vec!["code".into()],
@@ -185,7 +185,7 @@ fn status_writes_nothing_on_a_new_stream_and_reads_a_started_one() {
 fn silver_refuses_a_key_that_delta_would_round_before_writing_silver() {
     let s = Scenario::new(1, "");
     let name = TableName::new("dbo", "ticks");
-    s.db.create_table(&TableSpec {
+    s.db.create_table(&TableSpec { collations: Default::default(),
         name: name.clone(),
         columns: vec![ColumnDesc::new("at", SqlType::DateTime2 { scale: 7 }, false), ColumnDesc::new("v", SqlType::Int, true)],
         primary_key: vec!["at".into()],

@@ -7,7 +7,7 @@
 //!
 //! Every test here is `#[ignore]`d, so a plain `cargo test` lists it as
 //! ignored instead of reporting a pass it never earned. Run the suite with
-//! `cargo test --release --test mssql_integration -- --ignored`; a test run
+//! `cargo test --release --test suite mssql_integration:: -- --ignored`; a test run
 //! that way without a server fails, it never passes silently.
 
 use std::collections::BTreeSet;
@@ -243,4 +243,44 @@ async fn captured_columns_that_cannot_be_replicated_are_refused() {
             other => panic!("{column_sql}: expected a refusal naming '{column}', got {other:?}"),
         }
     }
+}
+
+/// Key order under real collations: the server's answers to `compare_keys`
+/// (case-sensitive, width-insensitive, padded strings; binary values padded
+/// with 0x00), and a seek past MAX on a non-unique string column whose MAX
+/// has a width-insensitive twin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a SQL Server with CDC: set MSSQL_CDC_TEST_URL and MSSQL_CDC_TEST_PASSWORD, run with --ignored"]
+async fn key_order_follows_each_columns_collation() {
+    use std::cmp::Ordering::*;
+    let (url, password) = server_under_test();
+    let mut a = admin(&url, &password).await;
+    let name = format!("cdc_coll_{}", uuid::Uuid::new_v4().simple().to_string().get(..8).unwrap_or("x"));
+    exec(
+        &mut a,
+        &format!(
+            "CREATE TABLE dbo.[{name}] (id int NOT NULL PRIMARY KEY, cs nvarchar(10) COLLATE Latin1_General_CS_AS NULL, \
+             ci nvarchar(10) COLLATE SQL_Latin1_General_CP1_CI_AS NULL, b varbinary(8) NULL); \
+             INSERT INTO dbo.[{name}] VALUES (1, N'a', N'z', 0x01), (2, N'A', N'\u{ff5a}', 0x0100), (3, N'b', N'y', 0x00)"
+        ),
+    )
+    .await;
+    let src = MssqlSource::connect(&url, SourceSecrets { password: Some(password.clone()) }).await.expect("source connects");
+    let t = TableName::new("dbo", &name);
+    let s = |x: &str| vec![SqlValue::Str(x.into())];
+    let cs = src.compare_keys(&t, &["cs".into()], &[(s("a"), s("A")), (s("a"), s("a  ")), (s("a"), s("B"))]).await;
+    let ci = src.compare_keys(&t, &["ci".into()], &[(s("z"), s("\u{ff5a}")), (s("Z"), s("z")), (s("\u{e9}"), s("f"))]).await;
+    let b = src
+        .compare_keys(&t, &["b".into()], &[(vec![SqlValue::Bytes(vec![1])], vec![SqlValue::Bytes(vec![1, 0])]), (vec![SqlValue::Bytes(vec![0])], vec![SqlValue::Bytes(vec![1])])])
+        .await;
+    let max = src.key_extent(&t, &["ci".into()], Isolation::ReadCommitted).await;
+    exec(&mut a, &format!("DROP TABLE dbo.[{name}]")).await;
+    let cs = cs.expect("compare under Latin1_General_CS_AS");
+    assert_ne!(cs[0], Equal, "case counts under _CS");
+    assert_eq!(cs[1], Equal, "trailing spaces never count");
+    assert_eq!(cs[2], Less, "linguistic order: a < B");
+    assert_eq!(ci.expect("compare under SQL_Latin1_General_CP1_CI_AS"), vec![Equal, Equal, Less], "width and case do not count; é < f");
+    assert_eq!(b.expect("compare varbinary"), vec![Equal, Less], "binary values are padded with 0x00");
+    let (_, max) = max.expect("key extent").expect("rows");
+    assert!(matches!(&max[0], SqlValue::Str(v) if v == "z" || v == "\u{ff5a}"), "MAX is one of the twins: {max:?}");
 }

@@ -79,6 +79,9 @@ impl CdcSource for Spy {
     async fn key_seek(&self, t: &TableName, keys: &[String], range: &KeyRange, n: u64, iso: Isolation) -> Result<Option<Key>, SourceError> {
         self.inner.key_seek(t, keys, range, n, iso).await
     }
+    async fn compare_keys(&self, t: &TableName, keys: &[String], pairs: &[(Key, Key)]) -> Result<Vec<std::cmp::Ordering>, SourceError> {
+        self.inner.compare_keys(t, keys, pairs).await
+    }
     async fn row_estimate(&self, t: &TableName) -> Result<u64, SourceError> {
         self.inner.row_estimate(t).await
     }
@@ -118,7 +121,7 @@ fn other_table(spec: TableSpec, rows: Vec<Vec<SqlValue>>, workflow_extra: &str) 
 }
 
 fn events_spec() -> TableSpec {
-    TableSpec {
+    TableSpec { collations: Default::default(),
         name: TableName::new("dbo", "events"),
         columns: vec![
             ColumnDesc::new("day", SqlType::Date, false),
@@ -139,7 +142,7 @@ fn event_row(i: i64) -> Vec<SqlValue> {
 }
 
 fn codes_spec() -> TableSpec {
-    TableSpec {
+    TableSpec { collations: Default::default(),
         name: TableName::new("dbo", "codes"),
         columns: vec![ColumnDesc::new("code", SqlType::VarChar { len: Some(20) }, false), ColumnDesc::new("qty", SqlType::Int, true)],
         primary_key: vec!["code".into()],

@@ -69,7 +69,7 @@ impl Case {
         let dir = tempfile::tempdir().unwrap();
         let db = SimDb::create(&dir.path().join("source.sqlite"), common::manual_config()).unwrap();
         let table = TableName::new("dbo", "accounts");
-        db.create_table(&TableSpec {
+        db.create_table(&TableSpec { collations: Default::default(),
             name: table.clone(),
             columns: columns(&key_type),
             primary_key: vec!["id".into()],

@@ -58,7 +58,7 @@ fn setup(workflow: &str) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let db = SimDb::create(&dir.path().join("source.sqlite"), common::manual_config()).unwrap();
     let table = TableName::new("dbo", "items");
-    let spec = TableSpec {
+    let spec = TableSpec { collations: Default::default(),
         name: table.clone(),
         columns: vec![
             ColumnDesc::new("id", SqlType::Int, false),
@@ -533,7 +533,7 @@ async fn golden_snapshot_opened_by_a_switch() {
     // The switch's event rows ride in the batch's bronze metadata whole: their
     // wall-clock `recorded_at` and the temporary target path vary per run.
     let log = stable(&log.replace(s.path().to_str().unwrap(), "<dir>"), "\"recorded_at\":\"");
-    golden_settings!().bind(|| insta::assert_snapshot!("golden_snapshot_opened_by_a_switch", log));
+    common::golden_settings().bind(|| insta::assert_snapshot!("golden_snapshot_opened_by_a_switch", log));
 }
 
 /// `text` with every quoted value after `key` replaced by `<varies>`.

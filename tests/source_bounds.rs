@@ -181,7 +181,7 @@ async fn assert_snapshot_is_the_table(dir: &Path, db: &SimDb, spec: &TableSpec) 
 fn keyed_spec(name: &str, key_type: SqlType) -> TableSpec {
     let mut columns = vec![ColumnDesc::new("id", key_type, false)];
     columns.extend(payload_columns());
-    TableSpec { name: TableName::new("dbo", name), columns, primary_key: vec!["id".into()], unique_index: vec![] }
+    TableSpec { collations: Default::default(), name: TableName::new("dbo", name), columns, primary_key: vec!["id".into()], unique_index: vec![] }
 }
 
 /// A key at its type's MAX: the last chunk ends at MAX + 1, which the type
@@ -226,7 +226,7 @@ async fn a_nullable_integer_key_plans_its_nulls_into_the_first_chunk() {
     let dir = tempfile::tempdir().unwrap();
     let mut columns = vec![ColumnDesc::new("k", SqlType::Int, true)];
     columns.extend(payload_columns());
-    let spec = TableSpec { name: TableName::new("dbo", "h"), columns, primary_key: vec![], unique_index: vec![] };
+    let spec = TableSpec { collations: Default::default(), name: TableName::new("dbo", "h"), columns, primary_key: vec![], unique_index: vec![] };
     // 70 NULL keys among 55 keyed rows (values 1..=50, 3 and 40 repeated).
     let mut rows: Vec<Vec<SqlValue>> = Vec::new();
     for i in 0..125i64 {

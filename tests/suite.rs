@@ -8,6 +8,8 @@
 mod change_order;
 #[path = "cli.rs"]
 mod cli;
+#[path = "collations.rs"]
+mod collations;
 #[path = "heap_silver.rs"]
 mod heap_silver;
 #[path = "identity_cli.rs"]

@@ -52,7 +52,7 @@ fn setup() -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let db = SimDb::create(&dir.path().join("source.sqlite"), common::manual_config()).unwrap();
     let table = TableName::new("dbo", "items");
-    let spec = TableSpec {
+    let spec = TableSpec { collations: Default::default(),
         name: table.clone(),
         columns: vec![
             ColumnDesc::new("id", SqlType::Int, false),

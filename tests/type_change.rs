@@ -37,7 +37,7 @@ fn setup() -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let db = SimDb::create(&dir.path().join("source.sqlite"), common::manual_config()).unwrap();
     let table = TableName::new("dbo", "items");
-    db.create_table(&TableSpec {
+    db.create_table(&TableSpec { collations: Default::default(),
         name: table.clone(),
         columns: vec![
             ColumnDesc::new("id", SqlType::Int, false),

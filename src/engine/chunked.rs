@@ -639,6 +639,11 @@ impl KeySeeker for SourceKeys {
     async fn seek(&self, range: &KeyRange, n: u64) -> Result<Option<Key>, SourceError> {
         self.source.key_seek(&self.table, &self.keys, range, n, self.isolation).await
     }
+
+    async fn compare(&self, a: &Key, b: &Key) -> Result<std::cmp::Ordering, SourceError> {
+        let answer = self.source.compare_keys(&self.table, &self.keys, &[(a.clone(), b.clone())]).await?;
+        answer.first().copied().ok_or_else(|| SourceError::Other("the source answered no comparison".into()))
+    }
 }
 
 fn same_columns(a: &[String], b: &[String]) -> bool {

@@ -21,6 +21,14 @@
 //! than a chunk, or equal only under the collation) is sought again twice as
 //! far, so a value is never split and the walk always moves.
 //!
+//! Whether a bound repeats, or lies past MAX, is a question of order. For a
+//! key with a string column that order is the column's collation (linguistic
+//! order, case, accents, width, padding), which only the server knows: the
+//! planner asks it ([`KeySeeker::compare`]) instead of comparing strings
+//! itself. Deciding in Rust once ended the last chunk of a heap at a value the
+//! server held equal to MAX (`ｚ` against `z` under a width-insensitive
+//! collation), and every row equal to MAX was left out of the snapshot.
+//!
 //! Both planners talk to the source through the small [`KeyCounter`] and
 //! [`KeySeeker`] traits, so the tests here run them against in-memory tables.
 
@@ -131,6 +139,22 @@ pub trait KeyCounter: Send + Sync {
 pub trait KeySeeker: Send + Sync {
     /// The key of the `(n + 1)`-th row of `range` in key order, or None.
     async fn seek(&self, range: &KeyRange, n: u64) -> Result<Option<Key>, SourceError>;
+
+    /// How `a` compares with `b` in the server's key order (the source's
+    /// `compare_keys`): the only order the planner uses for keys with a
+    /// string column.
+    async fn compare(&self, a: &Key, b: &Key) -> Result<Ordering, SourceError>;
+}
+
+/// `a` against `b` in the key's order: computed here when no key column is a
+/// string (integers, decimals, dates and times, uniqueidentifier and binary
+/// order by value, [`key_cmp`]), asked of the server when one is.
+async fn key_order(seeker: &dyn KeySeeker, shape: &KeysetShape, a: &Key, b: &Key) -> Result<Ordering, SourceError> {
+    if shape.types.iter().any(SqlType::is_string) {
+        seeker.compare(a, b).await
+    } else {
+        Ok(key_cmp(a, b))
+    }
 }
 
 fn ceil_div(a: u128, b: u128) -> u128 {
@@ -204,7 +228,11 @@ pub async fn next_bound(seeker: &dyn KeySeeker, lo: Option<&Key>, chunk_rows: u6
         let range = KeyRange { lo: lo.cloned(), hi: None };
         let Some(b) = seeker.seek(&range, n).await? else { return Ok(None) };
         let b = truncate_bound(b, shape);
-        let repeats = b.iter().any(SqlValue::is_null) || lo.is_some_and(|lo| key_cmp(&b, lo) != Ordering::Greater);
+        let repeats = b.iter().any(SqlValue::is_null)
+            || match lo {
+                Some(lo) => key_order(seeker, shape, &b, lo).await? != Ordering::Greater,
+                None => false,
+            };
         let empty = !repeats && !shape.unique && {
             let below = KeyRange { lo: lo.cloned(), hi: Some(b.clone()) };
             seeker.seek(&below, 0).await?.is_none()
@@ -237,7 +265,7 @@ pub async fn last_bound(seeker: &dyn KeySeeker, max: &Key, shape: &KeysetShape) 
                 None => Found::End,
                 Some(b) => {
                     let b = truncate_bound(b, shape);
-                    if key_cmp(&b, max) == Ordering::Greater && !b.iter().any(SqlValue::is_null) {
+                    if !b.iter().any(SqlValue::is_null) && key_order(seeker, shape, &b, max).await? == Ordering::Greater {
                         Found::After(b)
                     } else {
                         Found::Repeat
@@ -287,7 +315,7 @@ pub async fn plan_keyset(seeker: &dyn KeySeeker, max: &Key, chunk_rows: u64, sha
     let mut bounds: Vec<Key> = Vec::new();
     loop {
         let Some(b) = next_bound(seeker, bounds.last(), chunk_rows, shape).await? else { break };
-        if key_cmp(&b, max) == Ordering::Greater {
+        if key_order(seeker, shape, &b, max).await? == Ordering::Greater {
             break;
         }
         bounds.push(b);
@@ -334,6 +362,10 @@ mod tests {
     impl KeySeeker for Keys {
         async fn seek(&self, range: &KeyRange, n: u64) -> Result<Option<Key>, SourceError> {
             Ok(self.0.iter().filter(|k| range.contains(k)).nth(n as usize).cloned())
+        }
+
+        async fn compare(&self, a: &Key, b: &Key) -> Result<Ordering, SourceError> {
+            Ok(key_cmp(a, b))
         }
     }
 
@@ -486,7 +518,7 @@ mod tests {
 
     #[test]
     fn keyset_plan_on_a_repeated_case_mixed_column_never_splits_a_value() {
-        // 'n' and 'N' are one value under the case-insensitive collation; NULLs sort first.
+        // 'n' and 'N' are one value under the server's case-insensitive collation; NULLs sort first.
         let mut keys: Vec<Key> = Vec::new();
         for _ in 0..7 {
             keys.push(vec![SqlValue::Null]);
@@ -496,7 +528,7 @@ mod tests {
                 keys.push(vec![SqlValue::Str(v.into())]);
             }
         }
-        let table = Keys::new(keys);
+        let table = Folded::new(keys);
         let max = vec![SqlValue::Str("z".into())];
         let shape = string_shape(false);
         let bounds = block(plan_keyset(&table, &max, 4, &shape)).unwrap();
@@ -504,14 +536,14 @@ mod tests {
         assert_eq!(end, None, "nothing after MAX: the last chunk is open");
         let ranges = keyset_ranges(&bounds, end);
         for k in &table.0 {
-            assert_eq!(ranges.iter().filter(|r| r.contains(k)).count(), 1, "{k:?}");
+            assert_eq!(ranges.iter().filter(|r| Folded::holds(r, k)).count(), 1, "{k:?}");
         }
         // Every 'n' (any case, trailing space) in one chunk, and no chunk empty.
         let n_chunks: std::collections::BTreeSet<usize> =
-            table.0.iter().filter(|k| matches!(&k[0], SqlValue::Str(s) if s.trim().eq_ignore_ascii_case("n"))).map(|k| ranges.iter().position(|r| r.contains(k)).unwrap()).collect();
+            table.0.iter().filter(|k| matches!(&k[0], SqlValue::Str(s) if s.trim().eq_ignore_ascii_case("n"))).map(|k| ranges.iter().position(|r| Folded::holds(r, k)).unwrap()).collect();
         assert_eq!(n_chunks.len(), 1);
         for r in &ranges {
-            assert!(table.0.iter().any(|k| r.contains(k)), "empty chunk {r:?}");
+            assert!(table.0.iter().any(|k| Folded::holds(r, k)), "empty chunk {r:?}");
         }
         assert!(ranges[0].contains(&[SqlValue::Null]));
     }
@@ -526,29 +558,29 @@ mod tests {
         ) {
             let word = |v: u8, up: bool| { let s = format!("k{v:02}"); if up { s.to_uppercase() } else { s } };
             let mut keys: Vec<Key> = values.iter().zip(upper.iter()).map(|(v, up)| vec![v.map(|v| SqlValue::Str(word(v, *up))).unwrap_or(SqlValue::Null)]).collect();
-            let table0 = Keys::new(keys.clone());
+            let table0 = Folded::new(keys.clone());
             let Some(max) = table0.0.iter().rev().find(|k| !k[0].is_null()).cloned() else { return Ok(()) };
             // Rows inserted above MAX after the open: the last bound stops before them.
             for i in 0..extra_after_max {
                 keys.push(vec![SqlValue::Str(format!("z{i}"))]);
             }
-            let table = Keys::new(keys);
+            let table = Folded::new(keys);
             let shape = string_shape(false);
             let bounds = block(plan_keyset(&table, &max, chunk_rows, &shape)).unwrap();
             let end = block(last_bound(&table, &max, &shape)).unwrap();
             prop_assert_eq!(end.is_some(), extra_after_max > 0);
             let ranges = keyset_ranges(&bounds, end);
             for k in &table0.0 {
-                prop_assert_eq!(ranges.iter().filter(|r| r.contains(k)).count(), 1);
+                prop_assert_eq!(ranges.iter().filter(|r| Folded::holds(r, k)).count(), 1);
             }
             for r in &ranges {
-                prop_assert!(table0.0.iter().any(|k| r.contains(k)), "empty chunk {:?}", r);
+                prop_assert!(table0.0.iter().any(|k| Folded::holds(r, k)), "empty chunk {:?}", r);
             }
             // A value is in one chunk only, so each chunk but one starting on a
             // value held by more than chunk_rows rows holds at most chunk_rows
             // rows plus the rows of its last value's repeats.
             for w in bounds.windows(2) {
-                prop_assert_eq!(key_cmp(&w[0], &w[1]), Ordering::Less);
+                prop_assert_eq!(Folded::cmp(&w[0], &w[1]), Ordering::Less);
             }
         }
 
@@ -590,5 +622,77 @@ mod tests {
             assert_eq!(ranges.iter().filter(|r| r.contains(k)).count(), 1, "{k:?}");
         }
     }
-}
 
+    /// A string column under a stand-in server collation that Rust's order
+    /// does not share: case-, width- and padding-insensitive (`ｚ` = `Z` =
+    /// `z `). Its seeks and its `compare` both follow that collation, as a
+    /// server's do; NULLs sort first.
+    struct Folded(Vec<Key>);
+
+    fn fold(s: &str) -> String {
+        s.trim_end_matches(' ')
+            .chars()
+            .map(|c| if ('\u{ff41}'..='\u{ff5a}').contains(&c) { char::from_u32(c as u32 - 0xfee0).unwrap() } else { c })
+            .collect::<String>()
+            .to_lowercase()
+    }
+
+    impl Folded {
+        fn new(mut keys: Vec<Key>) -> Folded {
+            keys.sort_by(Folded::cmp);
+            Folded(keys)
+        }
+
+        fn strs(v: Vec<&str>) -> Folded {
+            Folded::new(v.into_iter().map(|s| vec![SqlValue::Str(s.to_string())]).collect())
+        }
+
+        fn cmp(a: &Key, b: &Key) -> Ordering {
+            match (&a[0], &b[0]) {
+                (SqlValue::Str(x), SqlValue::Str(y)) => fold(x).cmp(&fold(y)),
+                _ => key_cmp(a, b),
+            }
+        }
+
+        /// As a range predicate holds: a NULL key only in the range open below.
+        fn holds(range: &KeyRange, k: &Key) -> bool {
+            if k.iter().any(SqlValue::is_null) {
+                return range.lo.is_none();
+            }
+            range.lo.as_ref().is_none_or(|lo| Folded::cmp(k, lo) != Ordering::Less) && range.hi.as_ref().is_none_or(|hi| Folded::cmp(k, hi) == Ordering::Less)
+        }
+    }
+
+    #[async_trait]
+    impl KeySeeker for Folded {
+        async fn seek(&self, range: &KeyRange, n: u64) -> Result<Option<Key>, SourceError> {
+            Ok(self.0.iter().filter(|k| Folded::holds(range, k)).nth(n as usize).cloned())
+        }
+
+        async fn compare(&self, a: &Key, b: &Key) -> Result<Ordering, SourceError> {
+            Ok(Folded::cmp(a, b))
+        }
+    }
+
+    #[test]
+    fn a_string_key_is_ordered_by_the_server_not_by_code_point() {
+        // MAX has three spellings; `ｚ` is above `z` by code point, equal to it for the server.
+        let mut v = Vec::new();
+        for s in ["a", "B", "b", "c", "D", "Z", "z", "\u{ff5a}"] {
+            v.extend([s; 3]);
+        }
+        let table = Folded::strs(v);
+        let shape = KeysetShape { types: vec![SqlType::NVarChar { len: Some(10) }], unique: false };
+        let max = vec![SqlValue::Str("z".into())];
+        let bounds = block(plan_keyset(&table, &max, 4, &shape)).unwrap();
+        let end = block(last_bound(&table, &max, &shape)).unwrap();
+        assert_eq!(end, None, "no key follows MAX: the last chunk stays open");
+        let ranges = keyset_ranges(&bounds, end);
+        for k in &table.0 {
+            assert_eq!(ranges.iter().filter(|r| Folded::holds(r, k)).count(), 1, "{k:?} is in one chunk");
+        }
+        for w in bounds.windows(2) {
+            assert_eq!(Folded::cmp(&w[0], &w[1]), Ordering::Less, "bounds move in the server's order: {bounds:?}");
+        }
+    }
+}

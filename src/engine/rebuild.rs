@@ -5,8 +5,12 @@
 //! after S (`_start_lsn > S`); per key, the row that is latest by
 //! (`_start_lsn`, `_command_id`, `_seqval`, `_operation`); a key whose latest
 //! row is a delete (1) or a before-image (3, the old key of an update that
-//! SQL Server recorded as 3/4) is absent. Keys compare under the source's
-//! case-insensitive collation.
+//! SQL Server recorded as 3/4) is absent. Keys compare exactly, value for
+//! value, as silver's MERGE matches them: every image CDC and a snapshot give
+//! holds the key as stored, and an update that changes a key only in ways its
+//! collation ignores (`abc` to `ABC` under `_CI`) is a before/after pair that
+//! names both forms. Folding case here instead once merged two rows of a
+//! `_CS` table whose keys differ only in case.
 //!
 //! The demo and the drills use it to check bronze against the source; it
 //! holds one canonical text per key in memory (fine for the demo's million
@@ -23,7 +27,7 @@ use crate::delta::{self, bronze, sql_str};
 use crate::error::{StepError, StepResult};
 use crate::lsn::Lsn;
 use crate::source::{CdcSource, KeyRange, SnapshotRead, TableName};
-use crate::types::{as_stored, collation_key, value_at, ColumnDesc, SqlValue};
+use crate::types::{as_stored, value_at, ColumnDesc, SqlValue};
 
 /// Rank of a bronze row among the rows of its key.
 type Rank = (String, i64, String, i32);
@@ -31,11 +35,12 @@ type Rank = (String, i64, String, i32);
 /// The latest image per key: key text -> canonical row text.
 pub type Image = HashMap<String, String>;
 
-/// The key text of a row: equal under the collation gives equal text.
+/// The key text of a row: equal keys (value for value, strings exactly as
+/// stored) give equal text.
 pub fn key_text(key: &[SqlValue]) -> String {
     key.iter()
         .map(|v| match v {
-            SqlValue::Str(s) => format!("s:{}", collation_key(s)),
+            SqlValue::Str(s) => format!("s:{s}"),
             other => other.canonical(),
         })
         .collect::<Vec<_>>()

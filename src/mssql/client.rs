@@ -63,6 +63,9 @@ struct Inner {
     /// (read once per process from the catalog; a table only gains the
     /// column through `sp_vupgrade_replication`, which a new process sees).
     has_command_id: Mutex<HashMap<String, bool>>,
+    /// Per table, the collation of each string column by name (read once per
+    /// process: `compare_keys` names it in every comparison it sends).
+    collations: Mutex<HashMap<TableName, HashMap<String, String>>>,
 }
 
 /// A SQL Server CDC source over tiberius.
@@ -458,6 +461,7 @@ impl MssqlSource {
             password,
             idle: Mutex::new(Vec::new()),
             tables: Mutex::new(HashMap::new()),
+            collations: Mutex::new(HashMap::new()),
             has_command_id: Mutex::new(HashMap::new()),
         });
         let first = inner.open().await?;
@@ -845,6 +849,46 @@ impl CdcSource for MssqlSource {
         isolation: Isolation,
     ) -> Result<Vec<(i64, u64, i128)>, SourceError> {
         MssqlSource::bucket_sums(self, table, key, lo, hi, width, isolation).await
+    }
+
+    async fn compare_keys(&self, table: &TableName, keys: &[String], pairs: &[(Key, Key)]) -> Result<Vec<std::cmp::Ordering>, SourceError> {
+        if pairs.is_empty() {
+            return Ok(vec![]);
+        }
+        let kc = self.key_cols(table, keys).await?;
+        let cached = self.inner.collations.lock().ok().and_then(|m| m.get(table).cloned());
+        let by_name = match cached {
+            Some(m) => m,
+            None => {
+                let rows = self.rows(&sql::column_collations(table), Isolation::ReadCommitted).await?;
+                let mut m = HashMap::new();
+                for r in &rows {
+                    if let (Some(name), Some(collation)) = (convert::row_str(r, 0)?, convert::row_str(r, 1)?) {
+                        m.insert(name.to_lowercase(), collation);
+                    }
+                }
+                if let Ok(mut all) = self.inner.collations.lock() {
+                    all.insert(table.clone(), m.clone());
+                }
+                m
+            }
+        };
+        let collations: Vec<Option<String>> = kc.iter().map(|k| by_name.get(&k.name.to_lowercase()).cloned()).collect();
+        let mut out = Vec::with_capacity(pairs.len());
+        for part in pairs.chunks(sql::key_compare_pairs_per_statement(kc.len())) {
+            let stmt = sql::key_compare(&kc, &collations, part).map_err(SourceError::Config)?;
+            let rows = self.rows(&stmt, Isolation::ReadCommitted).await?;
+            let r = first_row(&rows)?;
+            for i in 0..part.len() {
+                out.push(match convert::row_i64(r, i)? {
+                    Some(v) if v < 0 => std::cmp::Ordering::Less,
+                    Some(0) => std::cmp::Ordering::Equal,
+                    Some(_) => std::cmp::Ordering::Greater,
+                    None => return Err(SourceError::Other(format!("the server's key comparison {i} answered NULL"))),
+                });
+            }
+        }
+        Ok(out)
     }
 
     async fn key_seek(&self, table: &TableName, keys: &[String], range: &KeyRange, n: u64, isolation: Isolation) -> Result<Option<Key>, SourceError> {

@@ -89,7 +89,7 @@ use crate::source::{
     KeyRange, RowFilter, TableName, TimeOp, CHANGE_COMMAND_ID, CHANGE_OPERATION, CHANGE_SEQVAL, CHANGE_START_LSN,
     CHANGE_TRAN_END_TIME,
 };
-use crate::types::{ColumnDesc, SqlType, SqlValue};
+use crate::types::{ColumnDesc, Key, SqlType, SqlValue};
 
 /// One statement and the values bound to `@P1`, `@P2`, … in order.
 #[derive(Debug, Clone, PartialEq)]
@@ -548,6 +548,76 @@ pub fn bucket_sums(table: &TableName, key: &str, lo: i64, hi: i64, width: i64) -
     )
 }
 
+/// The collation of every string column of the table. Columns: name, collation_name.
+pub fn column_collations(t: &TableName) -> Statement {
+    Statement::new(
+        "SELECT c.name, c.collation_name FROM sys.columns AS c \
+         WHERE c.object_id = OBJECT_ID(@P1, N'U') AND c.collation_name IS NOT NULL ORDER BY c.column_id"
+            .into(),
+        vec![object_name_value(t)],
+    )
+}
+
+/// Most key pairs one [`key_compare`] statement carries: each binds up to two
+/// parameters per key column, and a request holds at most 2,100.
+pub fn key_compare_pairs_per_statement(key_columns: usize) -> usize {
+    (2000 / (2 * key_columns.max(1))).max(1)
+}
+
+/// Compares pairs of keys on the server, which alone knows how its
+/// collations order and equate strings: one row, one column per pair
+/// (`c0`, `c1`, ...: -1, 0 or 1 for a below, equal to or above b). Both sides
+/// are parameters converted as a range bound is (see `bound_expr`); a
+/// string column's side also gets `COLLATE <the column's collation>`, since
+/// two parameters would otherwise compare under the database's default
+/// collation, not the column's. NULL sorts first, as ORDER BY puts it, which
+/// is decided here (a comparison with NULL has no answer in SQL).
+pub fn key_compare(keys: &[KeyCol], collations: &[Option<String>], pairs: &[(Key, Key)]) -> Result<Statement, String> {
+    if pairs.is_empty() {
+        return Err("no key pairs to compare".into());
+    }
+    for name in collations.iter().flatten() {
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Err(format!("the catalog reports the collation '{name}', which is not a plain collation name"));
+        }
+    }
+    let mut p = Params::default();
+    let mut items = Vec::with_capacity(pairs.len());
+    for (n, (a, b)) in pairs.iter().enumerate() {
+        if a.len() != keys.len() || b.len() != keys.len() {
+            return Err(format!("a key to compare has {} and {} values for {} key columns", a.len(), b.len(), keys.len()));
+        }
+        let side = |v: &SqlValue, i: usize, p: &mut Params| {
+            let e = bound_expr(p.bind(v.clone()), &keys[i].sql_type);
+            match collations.get(i).cloned().flatten() {
+                Some(c) if keys[i].sql_type.is_string() => format!("{e} COLLATE {c}"),
+                _ => e,
+            }
+        };
+        let mut whens = String::new();
+        let mut tail = "0";
+        for i in 0..keys.len() {
+            match (a[i].is_null(), b[i].is_null()) {
+                (true, true) => continue,
+                (true, false) => {
+                    tail = "-1";
+                    break;
+                }
+                (false, true) => {
+                    tail = "1";
+                    break;
+                }
+                (false, false) => {
+                    let (x, y) = (side(&a[i], i, &mut p), side(&b[i], i, &mut p));
+                    whens.push_str(&format!(" WHEN {x} < {y} THEN -1 WHEN {x} > {y} THEN 1"));
+                }
+            }
+        }
+        items.push(if whens.is_empty() { format!("{tail} AS c{n}") } else { format!("CASE{whens} ELSE {tail} END AS c{n}") });
+    }
+    Ok(Statement::new(format!("SELECT {}", items.join(", ")), p.0))
+}
+
 /// The key of the `(n+1)`-th row of the range in key order: the first `n+1`
 /// rows are taken in key order, and the last of them is returned with how many
 /// there were (`taken`); the caller keeps it only when `taken = n+1`.
@@ -760,6 +830,14 @@ mod tests {
         golden("bucket_sums", &bucket_sums(&t, "id ]", -10, 1_000, 100));
         golden("null_count", &null_count(&t, "id ]"));
         golden("key_seek_first", &key_seek(&t, &k1, &KeyRange::all(), 0).unwrap());
+        let pairs = vec![
+            (vec![SqlValue::Str("abc".into()), SqlValue::Int(1)], vec![SqlValue::Str("ABC".into()), SqlValue::Int(2)]),
+            (vec![SqlValue::Null, SqlValue::Int(1)], vec![SqlValue::Str("a".into()), SqlValue::Int(0)]),
+            (vec![SqlValue::Str("z".into()), SqlValue::Null], vec![SqlValue::Str("z".into()), SqlValue::Null]),
+        ];
+        golden("key_compare", &key_compare(&k2, &[Some("Latin1_General_CS_AS".into()), None], &pairs).unwrap());
+        golden("column_collations", &column_collations(&t));
+        assert!(key_compare(&k2, &[Some("x COLLATE y".into()), None], &pairs).is_err(), "a collation name is checked before it is spliced");
         let range = KeyRange { lo: Some(vec![SqlValue::Str("m".into()), SqlValue::Int(5)]), hi: Some(vec![SqlValue::Str("t".into()), SqlValue::Int(0)]) };
         golden("key_seek_composite", &key_seek(&t, &k2, &range, 1000).unwrap());
         assert!(key_seek(&t, &k1, &KeyRange::all(), u64::MAX).is_err());

@@ -68,9 +68,9 @@ pub fn bound_as_compared(t: &SqlType, v: &SqlValue) -> Result<SqlValue, SourceEr
     }
 }
 
-/// A key range as the server evaluates it for key columns of `types`.
+/// A key range as the server evaluates it for these key columns.
 pub struct RangePredicate {
-    types: Vec<SqlType>,
+    cols: Vec<keys::KeyCol>,
     /// The bounds as compared, in the columns' types.
     typed: KeyRange,
     lo: Option<Vec<u8>>,
@@ -80,18 +80,17 @@ pub struct RangePredicate {
 impl RangePredicate {
     /// Types the bounds as the statement does; error 8115 when one does not
     /// convert, a `Config` error when a bound's width is not the key's.
-    pub fn new(types: &[SqlType], range: &KeyRange) -> Result<RangePredicate, SourceError> {
+    pub fn new(cols: &[keys::KeyCol], range: &KeyRange) -> Result<RangePredicate, SourceError> {
         let typed_bound = |b: &Key| -> Result<Key, SourceError> {
-            if b.len() != types.len() {
-                return Err(SourceError::Config(format!("a range bound has {} values for {} key columns", b.len(), types.len())));
+            if b.len() != cols.len() {
+                return Err(SourceError::Config(format!("a range bound has {} values for {} key columns", b.len(), cols.len())));
             }
-            types.iter().zip(b).map(|(t, v)| bound_as_compared(t, v)).collect()
+            cols.iter().zip(b).map(|(c, v)| bound_as_compared(&c.ty, v)).collect()
         };
         let typed = KeyRange { lo: range.lo.as_ref().map(typed_bound).transpose()?, hi: range.hi.as_ref().map(typed_bound).transpose()? };
-        let refs: Vec<&SqlType> = types.iter().collect();
-        let lo = typed.lo.as_ref().map(|k| keys::encode_key(&refs, k));
-        let hi = typed.hi.as_ref().map(|k| keys::encode_key(&refs, k));
-        Ok(RangePredicate { types: types.to_vec(), typed, lo, hi })
+        let lo = typed.lo.as_ref().map(|k| keys::encode_key(cols, k));
+        let hi = typed.hi.as_ref().map(|k| keys::encode_key(cols, k));
+        Ok(RangePredicate { cols: cols.to_vec(), typed, lo, hi })
     }
 
     /// The bounds in the columns' types (for seeking the sorted row index).
@@ -101,8 +100,7 @@ impl RangePredicate {
 
     /// The sort key of a key (NULL lowest), in which the predicate compares.
     pub fn sort_key(&self, key: &[SqlValue]) -> Vec<u8> {
-        let refs: Vec<&SqlType> = self.types.iter().collect();
-        keys::encode_key(&refs, key)
+        keys::encode_key(&self.cols, key)
     }
 
     /// Whether the predicate keeps a row with this key.
@@ -128,29 +126,29 @@ mod tests {
     fn an_integer_bound_past_the_columns_type_is_compared_as_bigint() {
         for (t, max) in [(SqlType::Int, 2_147_483_647i64), (SqlType::SmallInt, 32_767), (SqlType::TinyInt, 255)] {
             // MAX + 1 as the last chunk's end: every row below it, none failing.
-            let p = RangePredicate::new(&[t.clone()], &range(Some(max - 3), Some(max + 1))).unwrap();
+            let p = RangePredicate::new(&[keys::KeyCol::plain(t.clone())], &range(Some(max - 3), Some(max + 1))).unwrap();
             assert!(p.holds(&[SqlValue::Int(max)]) && p.holds(&[SqlValue::Int(max - 3)]) && !p.holds(&[SqlValue::Int(max - 4)]));
-            let p = RangePredicate::new(&[t], &range(Some(max + 1), None)).unwrap();
+            let p = RangePredicate::new(&[keys::KeyCol::plain(t)], &range(Some(max + 1), None)).unwrap();
             assert!(!p.holds(&[SqlValue::Int(max)]), "a range from MAX + 1 holds no row");
         }
-        let p = RangePredicate::new(&[SqlType::TinyInt], &range(Some(-1), Some(1))).unwrap();
+        let p = RangePredicate::new(&[keys::KeyCol::plain(SqlType::TinyInt)], &range(Some(-1), Some(1))).unwrap();
         assert!(p.holds(&[SqlValue::Int(0)]), "a negative bound on tinyint is below every row");
     }
 
     #[test]
     fn a_cast_bound_past_a_decimal_columns_precision_is_error_8115() {
         let t = SqlType::Decimal { precision: 5, scale: 2 };
-        let e = RangePredicate::new(&[t.clone()], &range(Some(0), Some(1000))).err().expect("overflow");
+        let e = RangePredicate::new(&[keys::KeyCol::plain(t.clone())], &range(Some(0), Some(1000))).err().expect("overflow");
         assert_eq!(e.to_string(), "source error: SQL Server error 8115: Arithmetic overflow error converting bigint to data type numeric.");
-        let ok = RangePredicate::new(&[t], &range(Some(0), Some(999))).unwrap();
+        let ok = RangePredicate::new(&[keys::KeyCol::plain(t)], &range(Some(0), Some(999))).unwrap();
         assert!(ok.holds(&[SqlValue::Decimal { value: 99_899, scale: 2 }]) && !ok.holds(&[SqlValue::Decimal { value: 99_900, scale: 2 }]));
     }
 
     #[test]
     fn nulls_belong_to_the_range_open_below_only() {
-        let p = RangePredicate::new(&[SqlType::Int], &range(None, Some(5))).unwrap();
+        let p = RangePredicate::new(&[keys::KeyCol::plain(SqlType::Int)], &range(None, Some(5))).unwrap();
         assert!(p.holds(&[SqlValue::Null]) && p.holds(&[SqlValue::Int(4)]) && !p.holds(&[SqlValue::Int(5)]));
-        let p = RangePredicate::new(&[SqlType::Int], &range(Some(5), Some(7))).unwrap();
+        let p = RangePredicate::new(&[keys::KeyCol::plain(SqlType::Int)], &range(Some(5), Some(7))).unwrap();
         assert!(!p.holds(&[SqlValue::Null]) && p.holds(&[SqlValue::Int(5)]) && p.holds(&[SqlValue::Int(6)]) && !p.holds(&[SqlValue::Int(7)]));
     }
 }

@@ -319,7 +319,7 @@ pub fn run(cmd: SimCommand) -> Result<serde_json::Value> {
             let spec = match (&a.preset, &a.columns) {
                 (Some(p), _) if p.eq_ignore_ascii_case("orders") => orders_table_spec(name.clone()),
                 (Some(p), _) => return Err(SimError::BadArgument(format!("'{p}' is not a preset; the presets are: orders"))),
-                (None, Some(cols)) => TableSpec {
+                (None, Some(cols)) => TableSpec { collations: Default::default(),
                     name: name.clone(),
                     columns: parse_columns(cols)?,
                     primary_key: list(&a.primary_key),

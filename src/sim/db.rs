@@ -203,6 +203,39 @@ pub struct TableSpec {
     /// An optional unique index (the row identity when there is no primary key).
     #[serde(default)]
     pub unique_index: Vec<String>,
+    /// Collation names of string columns, by column name; a string column
+    /// not named here has [`super::collation::DEFAULT_COLLATION`].
+    #[serde(default)]
+    pub collations: std::collections::BTreeMap<String, String>,
+}
+
+impl TableSpec {
+    /// The collation name of a string column (None for other types).
+    pub fn collation_name(&self, column: &str) -> Option<String> {
+        let c = self.columns.iter().find(|c| c.name.eq_ignore_ascii_case(column))?;
+        if !c.sql_type.is_string() {
+            return None;
+        }
+        Some(
+            self.collations
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(column))
+                .map(|(_, v)| v.clone())
+                .unwrap_or_else(|| super::collation::DEFAULT_COLLATION.to_string()),
+        )
+    }
+
+    /// The sort-key description of column `i` (its collation when a string).
+    pub(crate) fn key_col(&self, i: usize) -> keys::KeyCol {
+        let c = &self.columns[i];
+        // Names are checked when the table is created; an unknown one (a file
+        // from an older simulator) falls back to the default collation.
+        let collation = self.collation_name(&c.name).map(|n| {
+            super::collation::collation(&n)
+                .unwrap_or_else(|_| super::collation::collation(super::collation::DEFAULT_COLLATION).expect("default collation"))
+        });
+        keys::KeyCol { ty: c.sql_type.clone(), collation }
+    }
 }
 
 /// A fault to inject into the next reads.
@@ -278,8 +311,9 @@ impl TableMeta {
         self.spec.columns.iter().position(|c| c.name.eq_ignore_ascii_case(name))
     }
 
-    pub fn key_types(&self) -> Vec<&SqlType> {
-        self.key_cols.iter().map(|&i| &self.spec.columns[i].sql_type).collect()
+    /// The key columns' sort-key descriptions.
+    pub fn key_types(&self) -> Vec<keys::KeyCol> {
+        self.key_cols.iter().map(|&i| self.spec.key_col(i)).collect()
     }
 
     /// The identity columns the catalog reports (PK, else unique index).
@@ -302,7 +336,7 @@ impl TableMeta {
             return None;
         }
         let vals: Vec<SqlValue> = self.uk_cols.iter().map(|&i| row[i].clone()).collect();
-        let types: Vec<&SqlType> = self.uk_cols.iter().map(|&i| &self.spec.columns[i].sql_type).collect();
+        let types: Vec<keys::KeyCol> = self.uk_cols.iter().map(|&i| self.spec.key_col(i)).collect();
         Some(keys::encode_key(&types, &vals))
     }
 
@@ -781,7 +815,12 @@ impl<'a> SimTx<'a> {
             let mut rows = st.query([t.id]).ctx(self.path)?;
             while let Some(r) = rows.next().ctx(self.path)? {
                 let row = t.decode_row(&r.get::<_, String>(1).ctx(self.path)?)?;
-                if row.len() >= key.len() && row.iter().zip(key).all(|(a, b)| crate::types::sql_cmp(a, b).is_eq()) {
+                // Equal as the server's `=` is: each value's sort key under its column's collation.
+                let same = |i: usize, a: &SqlValue, b: &SqlValue| {
+                    let c = [t.spec.key_col(i)];
+                    keys::encode_key(&c, std::slice::from_ref(a)) == keys::encode_key(&c, std::slice::from_ref(b))
+                };
+                if row.len() >= key.len() && row.iter().zip(key).enumerate().all(|(i, (a, b))| same(i, a, b)) {
                     return Ok(Some((r.get(0).ctx(self.path)?, row)));
                 }
             }
@@ -843,7 +882,14 @@ impl<'a> SimTx<'a> {
         let t = self.table(table)?;
         let (old_sk, old_row) = self.find(&t, key)?.ok_or_else(|| SimError::RowNotFound { table: t.spec.name.to_string(), key: key_text(key) })?;
         let new_row = coerce_row(&t, new_row)?;
-        let key_changed = t.key_cols.iter().chain(&t.uk_cols).any(|&i| old_row[i] != new_row[i]);
+        // A key changes when the server's `=` says so: an update that only
+        // respells a key under its collation (`abc` to `ABC` under `_CI`) keeps
+        // the row in place (the plan's Collapse turns its delete and insert of
+        // one key back into an update), logged as a before/after pair.
+        let key_changed = t.key_cols.iter().chain(&t.uk_cols).any(|&i| {
+            let c = [t.spec.key_col(i)];
+            keys::encode_key(&c, std::slice::from_ref(&old_row[i])) != keys::encode_key(&c, std::slice::from_ref(&new_row[i]))
+        });
         let new_sk = if t.is_heap() { old_sk.clone() } else { t.row_sort_key(&new_row) };
         let data = serde_json::to_string(&new_row).expect("values serialise");
         match self.conn.execute(
@@ -1400,6 +1446,14 @@ impl SimDb {
         for (i, c) in spec.columns.iter().enumerate() {
             if spec.columns[..i].iter().any(|d| d.name.eq_ignore_ascii_case(&c.name)) {
                 return Err(SimError::BadArgument(format!("table {} names column '{}' twice", spec.name, c.name)));
+            }
+        }
+        for (column, name) in &spec.collations {
+            match spec.columns.iter().find(|c| c.name.eq_ignore_ascii_case(column)) {
+                Some(c) if c.sql_type.is_string() => {
+                    super::collation::collation(name).map_err(|e| SimError::BadArgument(format!("column '{column}': {e}")))?;
+                }
+                _ => return Err(SimError::BadArgument(format!("a collation is given for '{column}', which is not a string column of {}", spec.name))),
             }
         }
         for &i in meta.key_cols.iter().chain(&meta.uk_cols) {

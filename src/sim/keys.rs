@@ -1,8 +1,9 @@
 //! Memcomparable sort keys.
 //!
 //! A key (one value per key column) is turned into bytes whose plain
-//! lexicographic order is SQL Server's ORDER BY order for that key
-//! ([`crate::types::key_cmp`]). The simulator stores rows under these bytes in
+//! lexicographic order is the simulated server's ORDER BY order for that key,
+//! and whose equality is its `=` (strings under their column's collation,
+//! [`super::collation`]). The simulator stores rows under these bytes in
 //! a SQLite index, so a key range becomes a byte range and a chunked read is
 //! an index seek instead of a table scan. Each encoded value is
 //! self-delimiting, so the encoding of a key prefix is a byte prefix of the
@@ -13,23 +14,45 @@
 //! - integers, bit: the i64 with its sign bit flipped, big-endian;
 //! - decimal, money: the unscaled i128 at the column's scale, sign bit flipped, big-endian;
 //! - float, real: IEEE bits arranged so unsigned order equals `f64::total_cmp`;
-//! - strings: the collation form (`collation_key`), UTF-8, each 0x00 written as
-//!   0x00 0xFF, then the terminator 0x00 0x00; binary values alike, raw;
+//! - strings: the column collation's sort key (trailing spaces never count),
+//!   each 0x00 written as 0x00 0xFF, then the terminator 0x00 0x00; binary
+//!   values alike, raw but without trailing 0x00 bytes (SQL Server pads the
+//!   shorter of two binary values with 0x00 to compare them, so `0x01` and
+//!   `0x0100` are one value);
 //! - uniqueidentifier: `guid_sort_key`;
 //! - date: days, time: nanoseconds of the day, datetime kinds: seconds and
 //!   nanoseconds since 1970 (datetimeoffset by its instant).
 
+use std::sync::Arc;
+
 use chrono::{NaiveDate, Timelike};
 
-use crate::types::{collation_key, guid_sort_key, SqlType, SqlValue};
+use super::collation::Collation;
+use crate::types::{guid_sort_key, SqlType, SqlValue};
 
-/// Appends the sort-key bytes of one value of a column of type `t`.
+/// A key column as its sort key needs it: the type and, for a string
+/// column, its collation.
+#[derive(Clone)]
+pub struct KeyCol {
+    pub ty: SqlType,
+    pub collation: Option<Arc<Collation>>,
+}
+
+impl KeyCol {
+    /// A column whose values need no collation (any non-string type).
+    pub fn plain(ty: SqlType) -> KeyCol {
+        KeyCol { ty, collation: None }
+    }
+}
+
+/// Appends the sort-key bytes of one value of a column.
 ///
 /// Values are expected in the column's canonical form (what the simulator
 /// stores after coercion); an integer in a decimal column is scaled, and a
 /// decimal with more fraction digits than the column is floored, which keeps
 /// the mapping monotone.
-pub fn encode_value(out: &mut Vec<u8>, t: &SqlType, v: &SqlValue) {
+pub fn encode_value(out: &mut Vec<u8>, col: &KeyCol, v: &SqlValue) {
+    let t = &col.ty;
     if v.is_null() {
         out.push(0x00);
         return;
@@ -56,8 +79,19 @@ pub fn encode_value(out: &mut Vec<u8>, t: &SqlType, v: &SqlValue) {
             let k = if bits >> 63 == 1 { !bits } else { bits ^ (1u64 << 63) };
             out.extend_from_slice(&k.to_be_bytes());
         }
-        SqlValue::Str(s) => push_escaped(out, collation_key(s).as_bytes()),
-        SqlValue::Bytes(b) => push_escaped(out, b),
+        SqlValue::Str(s) => {
+            let mut sk = Vec::with_capacity(s.len() * 2);
+            match &col.collation {
+                Some(c) => c.sort_key(s, &mut sk),
+                // A string in a column the caller did not collate: the default collation.
+                None => super::collation::collation(super::collation::DEFAULT_COLLATION).expect("default collation").sort_key(s, &mut sk),
+            }
+            push_escaped(out, &sk)
+        }
+        SqlValue::Bytes(b) => {
+            let end = b.iter().rposition(|&x| x != 0).map_or(0, |i| i + 1);
+            push_escaped(out, &b[..end])
+        }
         SqlValue::Date(d) => push_i64(out, days(*d)),
         SqlValue::Time(t) => {
             let ns = t.num_seconds_from_midnight() as u64 * 1_000_000_000 + t.nanosecond() as u64;
@@ -77,10 +111,10 @@ pub fn encode_value(out: &mut Vec<u8>, t: &SqlType, v: &SqlValue) {
 }
 
 /// The sort key of a composite key: the concatenation of its values' encodings.
-pub fn encode_key(types: &[&SqlType], key: &[SqlValue]) -> Vec<u8> {
+pub fn encode_key(cols: &[KeyCol], key: &[SqlValue]) -> Vec<u8> {
     let mut out = Vec::with_capacity(16 * key.len());
-    for (t, v) in types.iter().zip(key) {
-        encode_value(&mut out, t, v);
+    for (c, v) in cols.iter().zip(key) {
+        encode_value(&mut out, c, v);
     }
     out
 }
@@ -164,8 +198,10 @@ fn scale_floor(value: i128, from: u8, to: u8) -> i128 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::key_cmp;
+    use crate::sim::collation::{collation, DEFAULT_COLLATION};
+    use crate::types::sql_cmp;
     use chrono::{DateTime, NaiveTime};
+    use std::cmp::Ordering;
     use proptest::prelude::*;
     use uuid::Uuid;
 
@@ -219,29 +255,60 @@ mod tests {
         })
     }
 
+    fn cols(types: &[SqlType]) -> Vec<KeyCol> {
+        types
+            .iter()
+            .map(|t| KeyCol { ty: t.clone(), collation: t.is_string().then(|| collation(DEFAULT_COLLATION).unwrap()) })
+            .collect()
+    }
+
+    /// The order the sort keys must give, value by value: strings by the
+    /// collator's own comparison (not its sort key), binary values padded
+    /// with 0x00, everything else by value.
+    fn reference(a: &[SqlValue], b: &[SqlValue]) -> Ordering {
+        for (x, y) in a.iter().zip(b) {
+            let o = match (x, y) {
+                (SqlValue::Str(x), SqlValue::Str(y)) => collation(DEFAULT_COLLATION).unwrap().compare(x, y),
+                (SqlValue::Bytes(x), SqlValue::Bytes(y)) => {
+                    let n = x.len().max(y.len());
+                    let pad = |v: &Vec<u8>| v.iter().copied().chain(std::iter::repeat(0)).take(n).collect::<Vec<u8>>();
+                    pad(x).cmp(&pad(y))
+                }
+                _ => sql_cmp(x, y),
+            };
+            if o != Ordering::Equal {
+                return o;
+            }
+        }
+        Ordering::Equal
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(2000))]
         #[test]
         fn byte_order_is_sql_order((types, a, b) in arb_pair()) {
-            let tr: Vec<&SqlType> = types.iter().collect();
-            let (ka, kb) = (encode_key(&tr, &a), encode_key(&tr, &b));
-            prop_assert_eq!(ka.cmp(&kb), key_cmp(&a, &b), "{:?} vs {:?}", a, b);
+            let c = cols(&types);
+            let (ka, kb) = (encode_key(&c, &a), encode_key(&c, &b));
+            prop_assert_eq!(ka.cmp(&kb), reference(&a, &b), "{:?} vs {:?}", a, b);
         }
 
         #[test]
         fn prefix_encoding_is_a_prefix((types, a, _b) in arb_pair()) {
-            let tr: Vec<&SqlType> = types.iter().collect();
-            let full = encode_key(&tr, &a);
-            let pre = encode_key(&tr[..1], &a[..1]);
+            let c = cols(&types);
+            let full = encode_key(&c, &a);
+            let pre = encode_key(&c[..1], &a[..1]);
             prop_assert!(full.starts_with(&pre));
         }
     }
 
     #[test]
-    fn collation_equal_strings_share_a_key() {
-        let t = SqlType::VarChar { len: Some(10) };
-        assert_eq!(encode_key(&[&t], &[SqlValue::Str("abc".into())]), encode_key(&[&t], &[SqlValue::Str("ABC  ".into())]));
-        assert_eq!(decode_leading_int(&encode_key(&[&SqlType::Int], &[SqlValue::Int(-42)])), Some(-42));
+    fn collation_equal_values_share_a_key() {
+        let c = cols(&[SqlType::VarChar { len: Some(10) }]);
+        assert_eq!(encode_key(&c, &[SqlValue::Str("abc".into())]), encode_key(&c, &[SqlValue::Str("ABC  ".into())]));
+        assert_eq!(encode_key(&c, &[SqlValue::Str("z".into())]), encode_key(&c, &[SqlValue::Str("\u{ff5a}".into())]));
+        let b = cols(&[SqlType::VarBinary { len: Some(4) }]);
+        assert_eq!(encode_key(&b, &[SqlValue::Bytes(vec![1])]), encode_key(&b, &[SqlValue::Bytes(vec![1, 0, 0])]));
+        assert_eq!(decode_leading_int(&encode_key(&cols(&[SqlType::Int]), &[SqlValue::Int(-42)])), Some(-42));
         assert_eq!(prefix_successor(&[1, 0xFF]), Some(vec![2]));
     }
 }

@@ -37,6 +37,7 @@
 //! `orders` demo table; [`cli`] is the `mssql-cdc sim ...` subcommand.
 
 pub mod bounds;
+pub mod collation;
 pub mod cli;
 pub mod db;
 pub mod keys;

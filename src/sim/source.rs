@@ -22,7 +22,7 @@ use crate::source::{
     BatchStream, CaptureInstance, CdcSource, ChangeBatchBuilder, ChangeRow, Isolation, KeyRange, RowFilter, ServerZone, SnapshotRead,
     SourceError, TableInfo, TableName, TimeOp,
 };
-use crate::types::{key_cmp, BatchBuilder, Key, SqlType, SqlValue};
+use crate::types::{BatchBuilder, Key, SqlValue};
 
 use super::bounds::RangePredicate;
 use super::db::{self, FaultOn, SimConfig, SimError, SqlCtx, TableMeta};
@@ -332,9 +332,9 @@ fn plan_range(t: &TableMeta, key_pos: &[usize], range: &KeyRange) -> RangePlan {
     if !prefix || (nullable && range.lo.is_none() && range.hi.is_some()) {
         return RangePlan { lo: vec![], hi: None, exact: false, ordered: prefix };
     }
-    let types: Vec<&SqlType> = key_pos.iter().map(|&i| &t.spec.columns[i].sql_type).collect();
+    let types: Vec<keys::KeyCol> = key_types(t, key_pos);
     let canonical = |k: &Key| {
-        k.len() == types.len() && k.iter().zip(&types).all(|(v, ty)| db::coerce_value(v.clone(), ty).map(|c| c == *v).unwrap_or(false))
+        k.len() == types.len() && k.iter().zip(&types).all(|(v, c)| db::coerce_value(v.clone(), &c.ty).map(|x| x == *v).unwrap_or(false))
     };
     let exact = !nullable && range.lo.as_ref().is_none_or(|k| canonical(k)) && range.hi.as_ref().is_none_or(|k| canonical(k));
     let lo = range.lo.as_ref().map(|k| keys::encode_key(&types, k)).unwrap_or_default();
@@ -383,8 +383,16 @@ fn scan_rows(
     }
 }
 
-fn key_types(t: &TableMeta, key_pos: &[usize]) -> Vec<SqlType> {
-    key_pos.iter().map(|&i| t.spec.columns[i].sql_type.clone()).collect()
+/// A key's values converted to the key columns' types, as a comparison with the columns converts them.
+fn typed_key(cols: &[keys::KeyCol], key: &[SqlValue]) -> Result<Key, SourceError> {
+    if key.len() != cols.len() {
+        return Err(SourceError::Config(format!("a key has {} values for {} key columns", key.len(), cols.len())));
+    }
+    cols.iter().zip(key).map(|(c, v)| crate::sim::bounds::bound_as_compared(&c.ty, v)).collect()
+}
+
+fn key_types(t: &TableMeta, key_pos: &[usize]) -> Vec<keys::KeyCol> {
+    key_pos.iter().map(|&i| t.spec.key_col(i)).collect()
 }
 
 fn key_positions(t: &TableMeta, keys: &[String]) -> Result<Vec<usize>, SourceError> {
@@ -602,8 +610,10 @@ impl CdcSource for SimSource {
                 ext = Some(match ext.take() {
                     None => (k.clone(), k),
                     Some((lo, hi)) => {
-                        let lo = if key_cmp(&k, &lo).is_lt() { k.clone() } else { lo };
-                        let hi = if key_cmp(&k, &hi).is_gt() { k } else { hi };
+                        // MIN and MAX as the server orders: by the sort keys (collations included).
+                        let sk = |x: &Key| keys::encode_key(&key_types(&t, &key_pos), x);
+                        let lo = if sk(&k) < sk(&lo) { k.clone() } else { lo };
+                        let hi = if sk(&k) > sk(&hi) { k } else { hi };
                         (lo, hi)
                     }
                 });
@@ -649,8 +659,8 @@ impl CdcSource for SimSource {
             if t.key_cols.first() == Some(&pos) {
                 // The leading key column: count straight from the index keys.
                 let ty = &t.spec.columns[pos].sql_type;
-                let from = keys::encode_key(&[ty], &[SqlValue::Int(lo)]);
-                let to = keys::prefix_successor(&keys::encode_key(&[ty], &[SqlValue::Int(hi)]));
+                let from = keys::encode_key(&[keys::KeyCol::plain(ty.clone())], &[SqlValue::Int(lo)]);
+                let to = keys::prefix_successor(&keys::encode_key(&[keys::KeyCol::plain(ty.clone())], &[SqlValue::Int(hi)]));
                 let mut st = tx
                     .prepare("SELECT sk FROM rows WHERE table_id = ?1 AND sk >= ?2 AND (?3 IS NULL OR sk < ?3)")
                     .map_err(sql_err(p))?;
@@ -732,8 +742,8 @@ impl CdcSource for SimSource {
             }
             if t.key_cols.first() == Some(&pos) {
                 let ty = &t.spec.columns[pos].sql_type;
-                let from = keys::encode_key(&[ty], &[SqlValue::Int(lo)]);
-                let to = keys::prefix_successor(&keys::encode_key(&[ty], &[SqlValue::Int(hi)]));
+                let from = keys::encode_key(&[keys::KeyCol::plain(ty.clone())], &[SqlValue::Int(lo)]);
+                let to = keys::prefix_successor(&keys::encode_key(&[keys::KeyCol::plain(ty.clone())], &[SqlValue::Int(hi)]));
                 let mut st = tx
                     .prepare("SELECT sk FROM rows WHERE table_id = ?1 AND sk >= ?2 AND (?3 IS NULL OR sk < ?3)")
                     .map_err(sql_err(p))?;
@@ -754,6 +764,26 @@ impl CdcSource for SimSource {
                 })?;
             }
             Ok(sums.into_iter().map(|(k, (n, s))| (k, n, s)).collect())
+        })
+        .await
+    }
+
+    async fn compare_keys(&self, table: &TableName, keys: &[String], pairs: &[(Key, Key)]) -> Result<Vec<std::cmp::Ordering>, SourceError> {
+        let (name, keys, pairs) = (table.clone(), keys.to_vec(), pairs.to_vec());
+        self.call(move |c, p, _cfg| {
+            let tx = c.transaction().map_err(sql_err(p))?;
+            let t = self::table(&tx, p, &name)?;
+            let key_pos = key_positions(&t, &keys)?;
+            // Each value as the comparison converts it (the bound rules of a
+            // range predicate), then ordered by the simulator's sort keys.
+            let cols = key_types(&t, &key_pos);
+            pairs
+                .iter()
+                .map(|(a, b)| {
+                    let (a, b) = (typed_key(&cols, a)?, typed_key(&cols, b)?);
+                    Ok(keys::encode_key(&cols, &a).cmp(&keys::encode_key(&cols, &b)))
+                })
+                .collect()
         })
         .await
     }

@@ -11,7 +11,7 @@ use futures::StreamExt;
 
 use crate::lsn::Lsn;
 use crate::source::*;
-use crate::types::{key_cmp, value_at, ColumnDesc, SqlType, SqlValue};
+use crate::types::{value_at, ColumnDesc, SqlType, SqlValue};
 
 use super::*;
 
@@ -302,7 +302,7 @@ async fn string_keys_follow_the_collation() {
     let path = dir.path().join("c.sim");
     let db = SimDb::create(&path, manual("2026-03-01T12:00:00Z", 10)).unwrap();
     let t = TableName::new("dbo", "codes");
-    db.create_table(&TableSpec {
+    db.create_table(&TableSpec { collations: Default::default(),
         name: t.clone(),
         columns: vec![ColumnDesc::new("code", SqlType::VarChar { len: Some(10) }, false), ColumnDesc::new("n", SqlType::Int, true)],
         primary_key: vec!["code".into()],
@@ -372,8 +372,14 @@ async fn ranges_tile_the_table() {
         let mut lo: Option<Vec<SqlValue>> = None;
         loop {
             let r = KeyRange { lo: lo.clone(), hi: None };
-            match src.key_seek(&orders(), &key_names, &r, 137, Isolation::ReadCommitted).await.unwrap() {
-                Some(k) if lo.as_ref().is_none_or(|l| key_cmp(&k, l).is_gt()) => {
+            let found = src.key_seek(&orders(), &key_names, &r, 137, Isolation::ReadCommitted).await.unwrap();
+            // Order is the server's (string keys follow the column's collation), so ask it.
+            let moved = match (&found, &lo) {
+                (Some(k), Some(l)) => src.compare_keys(&orders(), &key_names, &[(k.clone(), l.clone())]).await.unwrap()[0].is_gt(),
+                _ => true,
+            };
+            match found {
+                Some(k) if moved => {
                     cuts.push(k.clone());
                     lo = Some(k);
                 }
@@ -393,7 +399,17 @@ async fn ranges_tile_the_table() {
             let rows = read_all(&src, &ci.columns, &keys, range.clone(), Isolation::ReadCommitted).await.unwrap();
             for r in &rows {
                 let key: Vec<SqlValue> = keys.iter().map(|k| r[ci.columns.iter().position(|c| c.name == *k).unwrap()].clone()).collect();
-                assert!(range.contains(&key));
+                let mut pairs = Vec::new();
+                pairs.extend(range.lo.iter().map(|lo| (key.clone(), lo.clone())));
+                pairs.extend(range.hi.iter().map(|hi| (key.clone(), hi.clone())));
+                let o = src.compare_keys(&orders(), &key_names, &pairs).await.unwrap();
+                let mut o = o.into_iter();
+                if range.lo.is_some() {
+                    assert!(o.next().unwrap().is_ge(), "{key:?} is below its range's lower bound");
+                }
+                if range.hi.is_some() {
+                    assert!(o.next().unwrap().is_lt(), "{key:?} is not below its range's upper bound");
+                }
             }
             ids.extend(rows.iter().map(|r| r[0].as_i64().unwrap()));
         }
@@ -569,9 +585,9 @@ async fn heaps_unique_indexes_rate_limits_and_auto_cleanup() {
     let db = SimDb::create(&path, cfg).unwrap();
     let heap = TableName::new("dbo", "heap");
     let cols = vec![ColumnDesc::new("a", SqlType::Int, true), ColumnDesc::new("b", SqlType::NVarChar { len: Some(10) }, true)];
-    db.create_table(&TableSpec { name: heap.clone(), columns: cols.clone(), primary_key: vec![], unique_index: vec![] }).unwrap();
+    db.create_table(&TableSpec { collations: Default::default(), name: heap.clone(), columns: cols.clone(), primary_key: vec![], unique_index: vec![] }).unwrap();
     let uq = TableName::new("dbo", "uq");
-    db.create_table(&TableSpec { name: uq.clone(), columns: cols.clone(), primary_key: vec!["a".into()], unique_index: vec!["b".into()] })
+    db.create_table(&TableSpec { collations: Default::default(), name: uq.clone(), columns: cols.clone(), primary_key: vec!["a".into()], unique_index: vec!["b".into()] })
         .unwrap();
     let hci = db.enable_cdc(&heap, None, None).unwrap();
     assert!(hci.index_columns.is_empty());

@@ -365,7 +365,7 @@ pub fn gen_value(rng: &mut SmallRng, t: &SqlType, nullable: bool, unique: bool) 
 /// The demo table: `id bigint PK, customer nvarchar(40), amount decimal(12,2),
 /// status varchar(12), created_at datetime2(7), note nvarchar(max) NULL`.
 pub fn orders_table_spec(name: TableName) -> TableSpec {
-    TableSpec {
+    TableSpec { collations: Default::default(),
         name,
         columns: vec![
             ColumnDesc::new("id", SqlType::BigInt, false),

@@ -399,6 +399,15 @@ pub trait CdcSource: Send + Sync {
         isolation: Isolation,
     ) -> Result<Option<Key>, SourceError>;
 
+    /// Compares pairs of keys of `keys` (one value per column) as the server
+    /// orders them: each value under its column's type and collation (case,
+    /// accents, width, trailing spaces, a binary value's trailing 0x00 all as
+    /// the column's collation says), a NULL below every value, columns in
+    /// order. The engine never orders or equates strings itself: a collation
+    /// is the server's (see `docs/sqlserver.md`). Nothing of the table is read;
+    /// one answer per pair, in order.
+    async fn compare_keys(&self, table: &TableName, keys: &[String], pairs: &[(Key, Key)]) -> Result<Vec<std::cmp::Ordering>, SourceError>;
+
     /// An estimate of the table's row count (`sys.sp_spaceused`), used only to size a first grid.
     async fn row_estimate(&self, table: &TableName) -> Result<u64, SourceError>;
 

@@ -2,6 +2,8 @@
 //! seed, a small table, and the steps run in process.
 #![allow(dead_code)]
 
+pub mod model;
+
 use std::path::{Path, PathBuf};
 
 use chrono::{TimeZone, Utc};
@@ -25,7 +27,7 @@ pub struct Scenario {
 }
 
 pub fn items_spec(table: &TableName) -> TableSpec {
-    TableSpec {
+    TableSpec { collations: Default::default(),
         name: table.clone(),
         columns: vec![
             ColumnDesc::new("id", SqlType::Int, false),
@@ -210,12 +212,11 @@ impl Scenario {
 }
 
 /// Settings that put insta's golden files in the top-level snapshots/ folder.
-#[macro_export]
-macro_rules! golden_settings {
-    () => {{
-        let mut s = insta::Settings::clone_current();
-        s.set_snapshot_path(concat!(env!("CARGO_MANIFEST_DIR"), "/snapshots"));
-        s.set_prepend_module_to_snapshot(false);
-        s
-    }};
+/// (A function, not an exported macro: several test files share one binary,
+/// each with its own copy of this module.)
+pub fn golden_settings() -> insta::Settings {
+    let mut s = insta::Settings::clone_current();
+    s.set_snapshot_path(concat!(env!("CARGO_MANIFEST_DIR"), "/snapshots"));
+    s.set_prepend_module_to_snapshot(false);
+    s
 }

@@ -34,8 +34,30 @@ pub fn is_heap(ctx: &Context) -> bool {
     ctx.instance.index_columns.is_empty()
 }
 
-/// The refusal of a heap streamed without before-images (before anything is written).
+/// The refusals of a heap's silver, before anything is written: a heap
+/// streamed without before-images, and a heap chunked on a string column.
+///
+/// Silver counts each change image of a chunked heap against the chunk its
+/// key falls in ([`chunk_of`]), which orders keys here, in the engine. For a
+/// string column that order is its collation's (linguistic order, case,
+/// accents, width), which only the server knows; ordering by code point
+/// instead would put a change in the wrong chunk, counted twice or never.
 pub fn check_options(ctx: &Context) -> StepResult<()> {
+    if ctx.workflow.snapshot.mode == crate::workflow::SnapshotMode::Chunked {
+        let keys = ctx.workflow.snapshot.keys.clone().unwrap_or_default();
+        if let Some(k) = keys.iter().find(|k| ctx.instance.column(k).is_some_and(|c| c.sql_type.is_string())) {
+            return Err(StepError::Config(format!(
+                "capture instance '{}' has no unique index, so silver keeps {} as a multiset of rows and places every \
+                 change in the chunk its snapshot.keys value falls in; but snapshot.keys names the string column '{k}', \
+                 whose order is its collation's and known only to the server: set snapshot.keys in {} to a column that \
+                 is not a string (a number, a date or time, a uniqueidentifier), or take the snapshot with \
+                 snapshot.mode = \"full\"",
+                ctx.instance.name,
+                ctx.workflow.table_name(),
+                ctx.workflow.path.display()
+            )));
+        }
+    }
     if ctx.workflow.stream.row_filter == RowFilterOption::AllUpdateOld {
         return Ok(());
     }
