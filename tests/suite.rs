@@ -8,6 +8,8 @@
 mod change_order;
 #[path = "cli.rs"]
 mod cli;
+#[path = "concurrent_first.rs"]
+mod concurrent_first;
 #[path = "heap_silver.rs"]
 mod heap_silver;
 #[path = "identity_cli.rs"]
