@@ -10,6 +10,8 @@ mod change_order;
 mod cli;
 #[path = "collations.rs"]
 mod collations;
+#[path = "concurrent_first.rs"]
+mod concurrent_first;
 #[path = "heap_silver.rs"]
 mod heap_silver;
 #[path = "identity_cli.rs"]

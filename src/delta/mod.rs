@@ -132,9 +132,23 @@ pub fn table_url(location: &str) -> StepResult<Url> {
     }
 }
 
-/// Opens the Delta table at `location`, or returns None when nothing is there
-/// yet. A location holding files that are not a Delta table is a `Config`
-/// error: we never write into someone else's folder.
+/// Opens the Delta table at `location`, or returns None when no table is
+/// there yet. A location holding files that are not a Delta table is a
+/// `Config` error: we never write into someone else's folder.
+///
+/// "No table yet" is decided the way the Delta protocol decides it: a table
+/// exists once its log holds a commit (or a checkpoint). A folder whose only
+/// entries are under `_delta_log/` and none of them a commit is a table whose
+/// creation is under way or was cut short: log stores that stage a commit
+/// under a temporary name (`_delta_log/_commit_<uuid>.json.tmp` on S3 with a
+/// locking provider) show exactly that until the commit is copied into
+/// place, and keep showing it after a crash. Creating there is safe, because
+/// version 0 is written put-if-absent and only one writer's
+/// `00000000000000000000.json` lands: [`open_or_create_with`] makes the loser
+/// open the winner's table. Anything outside `_delta_log/` (a data file, a
+/// stray export) is refused as before: this program's first commit on a table
+/// is the bare create, which writes no data file, so such files were never
+/// ours.
 pub async fn open_existing(location: &str, storage: &HashMap<String, String>) -> StepResult<Option<DeltaTable>> {
     let url = table_url(location)?;
     let mut table = deltalake::DeltaTableBuilder::from_url(url.clone())
@@ -147,20 +161,30 @@ pub async fn open_existing(location: &str, storage: &HashMap<String, String>) ->
         table.load().await.map_err(StepError::delta(location))?;
         return Ok(Some(table));
     }
-    // No log: the location must be empty for us to create a table there.
+    // No commit: nothing but a log folder without a commit may be there.
     let store = table.object_store();
     let mut listing = store.list(None);
-    if let Some(first) = listing.next().await {
-        let what = match first {
+    while let Some(entry) = listing.next().await {
+        let path = match entry {
             Ok(meta) => meta.location.to_string(),
             Err(e) => return Err(StepError::Temporary(format!("cannot list {location}: {e}"))),
         };
+        if is_uncommitted_log_entry(&path) {
+            continue;
+        }
         return Err(StepError::Config(format!(
-            "{location} is not a Delta table but holds other files (for example '{what}'): \
+            "{location} is not a Delta table but holds other files (for example '{path}'): \
              point the workflow at an empty folder or an existing Delta table"
         )));
     }
     Ok(None)
+}
+
+/// Whether a path of a folder without a Delta commit lies in its log folder:
+/// a commit staged by a creation under way (or cut short), never a foreign
+/// data file (see [`open_existing`]).
+fn is_uncommitted_log_entry(path: &str) -> bool {
+    path.strip_prefix("_delta_log/").is_some_and(|rest| !rest.is_empty())
 }
 
 /// Checks that an existing table is of the expected kind and migrates it to
@@ -300,6 +324,11 @@ pub async fn open_or_create_with(
         check_kind_and_migrate(&mut table, location, kind, schema).await?;
         return Ok(table);
     }
+    // Tests widen the window between the look above and the create below
+    // (`delta.before_create=sleep(1500)`), so two first calls surely both
+    // find no table and both create. Not a commit boundary: not in
+    // `engine::FAILPOINTS`.
+    crate::failpoint!("delta.before_create");
     let url = table_url(location)?;
     let table = deltalake::DeltaTableBuilder::from_url(url)
         .map_err(StepError::delta(location))?
@@ -315,6 +344,11 @@ pub async fn open_or_create_with(
     for (k, v) in extra_properties {
         props.insert(k.to_string(), Some(v.clone()));
     }
+    // No retry of the create commit: delta-rs, on losing the put-if-absent of
+    // version 0, would load the winner's table and commit our protocol and
+    // metadata again as version 1 (a second creation, with a new table id,
+    // over a table that may already hold rows). With no retries the lost race
+    // is an error, and we open the winner's table instead.
     let created = table
         .create()
         .with_columns(kernel.fields().cloned())
@@ -322,18 +356,43 @@ pub async fn open_or_create_with(
         .with_configuration(props)
         .with_raise_if_key_not_exists(false)
         .with_save_mode(deltalake::protocol::SaveMode::ErrorIfExists)
+        .with_commit_properties(CommitProperties::default().with_max_retries(0))
         .await;
     match created {
         Ok(t) => Ok(t),
-        // Another process created it between our look and our create: use theirs.
-        Err(create_error) => match open_existing(location, storage).await? {
-            Some(mut t) => {
-                check_kind_and_migrate(&mut t, location, kind, schema).await?;
-                Ok(t)
-            }
-            None => Err(StepError::delta(location)(create_error)),
-        },
+        Err(create_error) => {
+            let mut t = open_after_lost_create(location, storage, create_error).await?;
+            check_kind_and_migrate(&mut t, location, kind, schema).await?;
+            Ok(t)
+        }
     }
+}
+
+/// How often, and how long apart, a call whose create failed looks for the
+/// table another process created: a store that lists a new object late may
+/// not show the winner's version 0 at once.
+const LOST_CREATE_LOOKS: u32 = 10;
+const LOST_CREATE_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// After a failed create: another process created the table between our
+/// look and our commit (its version 0 won the put-if-absent), so we open
+/// its table, looking again a bounded number of times. When no table shows
+/// up, the create's own error stands (a lost commit race is exit 75).
+async fn open_after_lost_create(
+    location: &str,
+    storage: &HashMap<String, String>,
+    create_error: deltalake::DeltaTableError,
+) -> StepResult<DeltaTable> {
+    for look in 0..LOST_CREATE_LOOKS {
+        if look > 0 {
+            tokio::time::sleep(LOST_CREATE_WAIT).await;
+        }
+        if let Some(t) = open_existing(location, storage).await? {
+            tracing::info!(table = location, "another call created this table first: using its table");
+            return Ok(t);
+        }
+    }
+    Err(StepError::delta(location)(create_error))
 }
 
 /// A Delta transaction id: the commit that holds it is applied at most once.

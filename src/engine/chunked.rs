@@ -143,9 +143,8 @@ pub fn chunked_of_generation(rows: &[FactRow]) -> Option<Opened> {
 /// A full snapshot that still holds the snapshot mode (adr-0028's
 /// Amendment): opened for the current generation or a later one (a full
 /// re-snapshot is opened for generation n + 1 before it makes it live), not
-/// completed (a `bootstrap` or `resnapshot` row at or after its S, which also
-/// covers a newer attempt that superseded it), without a chunked open beside
-/// it in its generation, and not yet passed by CDC cleanup (`min_lsn` of the
+/// superseded ([`is_superseded_full`]), without a chunked open beside it in
+/// its generation, and not yet passed by CDC cleanup (`min_lsn` of the
 /// capture instance). Once cleanup passes its S it can never complete, and
 /// before that nobody can tell a dead run from a slow one: so a killed run's
 /// open holds the mode for the retention at most, never forever.
@@ -155,10 +154,34 @@ pub fn full_holding_mode(rows: &[FactRow], min_lsn: Option<Lsn>) -> Option<Opene
     let chunked_in = |g: i32| opens.iter().any(|o| o.mode == Mode::Chunked && o.generation == g);
     opens
         .iter()
-        .filter(|o| o.mode == Mode::Full && o.generation >= generation && !chunked_in(o.generation) && !is_completed(rows, o.s))
+        .filter(|o| o.mode == Mode::Full && o.generation >= generation && !chunked_in(o.generation) && !is_superseded_full(rows, o))
         .filter(|o| !min_lsn.is_some_and(|m| o.s.increment() < m))
         .max_by_key(|o| o.s)
         .cloned()
+}
+
+/// Whether a full open can no longer complete because another snapshot took
+/// its place: a completion (`bootstrap` or `resnapshot`) at or after its S in
+/// any generation (a newer attempt, or a later generation's snapshot), or a
+/// completion of its own generation at any S.
+///
+/// The second half is the lost race of two concurrent full snapshots of one
+/// generation. Their open rows are untracked (one per attempt, by design), so
+/// both are written, each at the S its own read started from; the bronze
+/// commit (`<app>#snapshot` + generation) and the completion row
+/// (`<app>#events` + generation) are keyed by the generation, so exactly one
+/// attempt completes and the other's commit finds its key taken. When the
+/// loser read later, its S is above the winner's, and "a completion at or
+/// after S" alone would keep its open holding until cleanup passed it,
+/// blocking `seed --reseed` and every chunked open meanwhile. A generation's
+/// completion ends every full attempt of that generation: none can commit
+/// after it. (Giving the open row the generation's txn instead would drop
+/// the open of a rerun at a newer S, which is the one still being read.)
+pub fn is_superseded_full(rows: &[FactRow], open: &Opened) -> bool {
+    is_completed(rows, open.s)
+        || rows
+            .iter()
+            .any(|r| r.generation == open.generation && matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT)))
 }
 
 /// The one snapshot that holds the snapshot mode now, of either mode: the
@@ -1581,6 +1604,20 @@ mod tests {
         assert_eq!(full_holding_mode(&[open(0, 10, "full"), open(0, 12, "chunked")], Some(lsn(5))), None);
         // An older generation's full open is not this run's.
         assert_eq!(full_holding_mode(&[open(0, 10, "full"), done(1, 3)], Some(lsn(5))), None);
+    }
+
+    #[test]
+    fn a_full_open_that_lost_its_generation_to_an_older_s_holds_nothing() {
+        // Two concurrent bootstraps: the loser opened at 12, the winner at 10 completed generation 0.
+        let rows = vec![open(0, 10, "full"), open(0, 12, "full"), done(0, 10)];
+        assert_eq!(full_holding_mode(&rows, Some(lsn(5))), None);
+        assert_eq!(snapshot_holding_mode(&rows, Some(lsn(5))), None);
+        // A re-snapshot's open for generation 1 is not ended by generation 0's completion.
+        let rows = vec![open(0, 10, "full"), done(0, 10), open(1, 12, "full")];
+        assert_eq!(full_holding_mode(&rows, Some(lsn(5))).map(|o| (o.s, o.generation)), Some((lsn(12), 1)));
+        // Nor by a completion of its own generation still to come: while none is written it holds.
+        let rows = vec![open(0, 10, "full"), open(0, 12, "full")];
+        assert_eq!(full_holding_mode(&rows, Some(lsn(5))).map(|o| o.s), Some(lsn(12)));
     }
 
     #[test]

@@ -161,7 +161,8 @@ pub struct SeedInput {
     /// The snapshot that holds the snapshot mode
     /// (`engine::chunked::snapshot_holding_mode`): a chunked one not complete,
     /// or a full one that may still be read. A dead full open (cleanup passed
-    /// its S, or a later completion superseded it) is not one.
+    /// its S, or a completion superseded it, including the completion of its
+    /// own generation by a concurrent attempt that won) is not one.
     pub open_snapshot: Option<Opened>,
     pub generation: i32,
     /// The highest generation whose full snapshot bronze holds under

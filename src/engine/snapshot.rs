@@ -17,7 +17,10 @@
 //!
 //! The open row of 1 holds the snapshot mode until 3, or until cleanup passes
 //! its S (`engine::chunked::full_holding_mode`): a killed attempt blocks a
-//! chunked open or a seed for the retention at most.
+//! chunked open or a seed for the retention at most. Two attempts at once
+//! both write their open row, but only one commits 2 and 3 (both keyed by
+//! the generation); the other's open, even at a higher S, is superseded by
+//! that completion (`engine::chunked::is_superseded_full`) and holds nothing.
 //!
 //! Before 2 commits, the read checks that CDC cleanup has not passed S (a
 //! read longer than the retention): such an image cannot be continued by the

@@ -43,9 +43,10 @@ pub struct StreamState {
     pub bronze_batch: Option<i64>,
     /// The S of the snapshot that holds the snapshot mode, if one does (at
     /// most one): a chunked open not completed yet, or a full open that may
-    /// still be read. A dead full open (cleanup passed its S, or a later
-    /// completion superseded it) is not listed: no step can finish it and
-    /// none waits for it.
+    /// still be read. A dead full open (cleanup passed its S, or a
+    /// completion superseded it: one at or after its S, or its own
+    /// generation's after a lost race) is not listed: no step can finish it
+    /// and none waits for it.
     pub open_snapshots: Vec<Lsn>,
 }
 

@@ -1,0 +1,323 @@
+//! Two calls at once on fresh targets (issue 13), driven through the command
+//! line on the simulator:
+//! - two first `stream` calls both find no table and both create it: each
+//!   table is created once (one `metaData` action, in version 0), both calls
+//!   end 0 or 75, and one more call leaves bronze equal to the table;
+//! - a folder holding only a log folder without a commit (a creation under
+//!   way or cut short) is no table yet, not foreign files, while a folder
+//!   with a data file and no commit is still refused (exit 2);
+//! - two full bootstraps at once, the loser's open at a higher S: the
+//!   winner's completion of the generation supersedes it, so it does not
+//!   block `seed --reseed`.
+//!
+//! The window of the first race is made certain with a sleep failpoint
+//! between a call's look for the table and its create
+//! (`delta.before_create`); more rounds run without it, on natural timing.
+//! Checks read the simulator's own rows and the tables' logs and rows
+//! directly, and rebuild bronze's image here in SQL.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::Scenario;
+use mssql_cdc::delta::facts::FactRow;
+use mssql_cdc::lsn::Lsn;
+use mssql_cdc::source::CdcSource;
+use mssql_cdc::types::{as_stored, value_at, SqlValue};
+
+const FULL: &str = "[snapshot]\nbootstrap = true\nmode = \"full\"\nparallelism = 2\n[stream]\nmax_batch_rows = 10000\n";
+
+fn command(s: &Scenario, args: &[&str], env: &[(&str, &str)]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_mssql-cdc"));
+    c.arg("--workflow").arg(&s.wf_path).args(args).env("MSSQL_CDC_LOG", "warn").current_dir(s.path());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c
+}
+
+fn spawn(s: &Scenario, args: &[&str], env: &[(&str, &str)]) -> Child {
+    command(s, args, env).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+}
+
+fn last_json(out: &Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
+}
+
+/// Waits for a spawned step: (exit code, JSON).
+fn finish(child: Child) -> (i32, serde_json::Value) {
+    let out = child.wait_with_output().unwrap();
+    (out.status.code().unwrap_or(-1), last_json(&out))
+}
+
+fn step(s: &Scenario, args: &[&str], env: &[(&str, &str)]) -> (i32, serde_json::Value) {
+    let out = command(s, args, env).output().unwrap();
+    (out.status.code().unwrap_or(-1), last_json(&out))
+}
+
+fn ok(s: &Scenario, args: &[&str]) -> serde_json::Value {
+    let (code, j) = step(s, args, &[]);
+    assert_eq!(code, 0, "{args:?}: {j}");
+    j
+}
+
+/// This stream's facts rows, read from the table itself; empty while the
+/// facts table does not exist yet.
+fn facts(rt: &tokio::runtime::Runtime, s: &Scenario) -> Vec<FactRow> {
+    let location = s.path().join("facts").to_string_lossy().into_owned();
+    rt.block_on(async {
+        match mssql_cdc::delta::open_existing(&location, &Default::default()).await.unwrap() {
+            Some(t) => mssql_cdc::engine::state::facts_rows(&t, "items").await.unwrap(),
+            None => vec![],
+        }
+    })
+}
+
+fn events<'a>(rows: &'a [FactRow], name: &str) -> Vec<&'a FactRow> {
+    rows.iter().filter(|r| r.event.as_deref() == Some(name)).collect()
+}
+
+/// Polls the facts until `n` `snapshot_open` rows are there.
+fn wait_for_opens(rt: &tokio::runtime::Runtime, s: &Scenario, n: usize) -> Vec<Lsn> {
+    let started = Instant::now();
+    loop {
+        let rows = facts(rt, s);
+        let opens: Vec<Lsn> = events(&rows, "snapshot_open").iter().filter_map(|r| r.min_lsn).collect();
+        if opens.len() >= n {
+            return opens;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "{n} open rows did not appear: {opens:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The table versions of a table's log that carry a `metaData` action, read
+/// from the commit files themselves: a table created once has exactly [0].
+fn metadata_versions(table: &Path) -> Vec<u64> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(table.join("_delta_log")).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let Some(version) = name.strip_suffix(".json").and_then(|v| v.parse::<u64>().ok()) else { continue };
+        let text = std::fs::read_to_string(&path).unwrap();
+        for line in text.lines().filter(|l| !l.is_empty()) {
+            let action: serde_json::Value = serde_json::from_str(line).unwrap();
+            if action.get("metaData").is_some() {
+                out.push(version);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The simulator's rows (`SimDb::rows`), every column as bronze stores it, by id.
+fn table_rows(s: &Scenario) -> BTreeMap<i64, Vec<String>> {
+    let columns = common::items_spec(&s.table).columns;
+    s.db.rows(&s.table)
+        .unwrap()
+        .into_iter()
+        .map(|row| (row[0].as_i64().unwrap(), row.iter().zip(&columns).map(|(v, c)| as_stored(v, &c.sql_type).canonical()).collect()))
+        .collect()
+}
+
+/// Runs a query over bronze, opened straight from its folder.
+fn bronze_query(rt: &tokio::runtime::Runtime, s: &Scenario, sql: &str) -> Vec<deltalake::arrow::record_batch::RecordBatch> {
+    let location = s.path().join("bronze").to_string_lossy().into_owned();
+    rt.block_on(async {
+        let t = mssql_cdc::delta::open_existing(&location, &Default::default()).await.unwrap().expect("bronze exists");
+        mssql_cdc::delta::query(&t, sql).await.unwrap()
+    })
+}
+
+/// Bronze's image by the records' rule: the rows of snapshot S and the
+/// change rows after S; per id the latest by (_start_lsn, _command_id,
+/// _seqval, _operation), a snapshot row losing a tie; ids whose latest row is
+/// a delete (1) or a before-image (3) are absent.
+fn bronze_image(rt: &tokio::runtime::Runtime, s: &Scenario, snapshot: Lsn) -> BTreeMap<i64, Vec<String>> {
+    let columns = common::items_spec(&s.table).columns;
+    let sql = format!(
+        "SELECT * FROM (SELECT *, row_number() OVER (PARTITION BY id ORDER BY _start_lsn DESC, _command_id DESC NULLS LAST, \
+         _seqval DESC NULLS LAST, _operation DESC) AS rank_in_key FROM t \
+         WHERE (_operation = 0 AND coalesce(_snapshot, _start_lsn) = '{s}') OR (_operation <> 0 AND _start_lsn > '{s}')) \
+         WHERE rank_in_key = 1 AND _operation NOT IN (1, 3)",
+        s = snapshot.to_hex()
+    );
+    let mut out = BTreeMap::new();
+    for b in &bronze_query(rt, s, &sql) {
+        let cols: Vec<_> = columns.iter().map(|c| b.column_by_name(&c.name).unwrap_or_else(|| panic!("bronze lacks {}", c.name)).clone()).collect();
+        for i in 0..b.num_rows() {
+            let values: Vec<SqlValue> = cols.iter().zip(&columns).map(|(a, c)| value_at(a.as_ref(), i, &c.sql_type)).collect();
+            let id = values[0].as_i64().expect("an id");
+            assert!(out.insert(id, values.iter().map(SqlValue::canonical).collect()).is_none(), "id {id} twice in the image");
+        }
+    }
+    out
+}
+
+/// Rows of a grouping query that finds duplicates (none expected).
+fn duplicates(rt: &tokio::runtime::Runtime, s: &Scenario, sql: &str) -> usize {
+    bronze_query(rt, s, sql).iter().map(|b| b.num_rows()).sum()
+}
+
+/// Bronze's image from the newest completed snapshot equals the table, every
+/// column; no change row is in bronze twice, and each snapshot holds each id once.
+fn assert_bronze_equals_table(rt: &tokio::runtime::Runtime, s: &Scenario, context: &str) {
+    let rows = facts(rt, s);
+    let newest = rows
+        .iter()
+        .filter(|r| matches!(r.event.as_deref(), Some("bootstrap") | Some("resnapshot")))
+        .filter_map(|r| r.max_lsn)
+        .max()
+        .unwrap_or_else(|| panic!("{context}: a completed snapshot"));
+    let image = bronze_image(rt, s, newest);
+    let table = table_rows(s);
+    assert!(!table.is_empty());
+    let ids: std::collections::BTreeSet<_> = table.keys().chain(image.keys()).collect();
+    let diff: Vec<_> = ids
+        .into_iter()
+        .filter(|k| table.get(k) != image.get(k))
+        .map(|k| format!("{k}: table {:?} / bronze {:?}", table.get(k), image.get(k)))
+        .collect();
+    assert!(diff.is_empty(), "{context}: {} ids differ: {:?}", diff.len(), &diff[..diff.len().min(5)]);
+    let twice = duplicates(
+        rt,
+        s,
+        "SELECT _start_lsn, _seqval, _operation, _command_id FROM t WHERE _operation <> 0 \
+         GROUP BY _start_lsn, _seqval, _operation, _command_id HAVING COUNT(*) > 1",
+    );
+    assert_eq!(twice, 0, "{context}: change rows written twice");
+    let twice = duplicates(rt, s, "SELECT _snapshot, id FROM t WHERE _operation = 0 GROUP BY _snapshot, id HAVING COUNT(*) > 1");
+    assert_eq!(twice, 0, "{context}: a snapshot holds an id twice");
+}
+
+/// Item 1: two first `stream` calls at once on fresh targets, many rounds;
+/// the first rounds hold both calls between their look and their create so
+/// both surely create. Each table is created once (its only `metaData` is
+/// version 0's: the loser joined the winner's table instead of committing
+/// the create again); both calls end 0 or 75; one bootstrap row; after one
+/// more call bronze equals the table, every column, with nothing twice.
+#[test]
+fn two_first_streams_at_once_create_each_table_once() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    const ROUNDS: usize = 16;
+    const HELD_ROUNDS: usize = 4;
+    for round in 0..ROUNDS {
+        let mut s = Scenario::new(25, FULL);
+        let env: &[(&str, &str)] = if round < HELD_ROUNDS { &[("MSSQL_CDC_FAILPOINTS", "delta.before_create=sleep(1500)")] } else { &[] };
+        let a = spawn(&s, &["stream"], env);
+        let b = spawn(&s, &["stream"], env);
+        let (code_a, json_a) = finish(a);
+        let (code_b, json_b) = finish(b);
+        let context = format!("round {round}: A exit {code_a} {json_a} / B exit {code_b} {json_b}");
+        for code in [code_a, code_b] {
+            assert!(code == 0 || code == 75, "{context}");
+        }
+        assert!(code_a == 0 || code_b == 0, "one of them bootstraps: {context}");
+        for table in ["bronze", "facts"] {
+            assert_eq!(metadata_versions(&s.path().join(table)), vec![0], "{table} created once: {context}");
+        }
+
+        s.changes(8);
+        s.db.capture().unwrap();
+        let j = ok(&s, &["stream"]);
+        assert_eq!(j["caught_up"], true, "{context}: {j}");
+        let rows = facts(&rt, &s);
+        assert_eq!(events(&rows, "bootstrap").len(), 1, "{context}");
+        assert_eq!(ok(&s, &["status"])["open_snapshots"], serde_json::json!([]), "{context}");
+        assert_bronze_equals_table(&rt, &s, &context);
+    }
+}
+
+/// Item 2: what a creation cut short leaves on a store that stages commits
+/// under temporary names (a log folder holding a staged commit, no commit)
+/// is no table yet: the first call creates the tables there. A data file
+/// outside the log folder, without a commit, is someone else's: refused
+/// with exit 2, and nothing is written.
+#[test]
+fn a_log_folder_without_a_commit_is_no_table_yet_but_a_data_file_is_foreign() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let s = Scenario::new(15, FULL);
+    let staged = s.path().join("bronze").join("_delta_log");
+    std::fs::create_dir_all(&staged).unwrap();
+    std::fs::write(staged.join("_commit_3f0c9a52-2d0e-4a7e-9c43-0d1f7a6b9e11.json.tmp"), "{\"commitInfo\":{}}\n").unwrap();
+    let j = ok(&s, &["stream"]);
+    assert_eq!(j["caught_up"], true, "{j}");
+    assert_eq!(metadata_versions(&s.path().join("bronze")), vec![0]);
+    assert_bronze_equals_table(&rt, &s, "over a staged commit");
+
+    let s = Scenario::new(15, FULL);
+    let foreign = s.path().join("bronze");
+    std::fs::create_dir_all(foreign.join("_delta_log")).unwrap();
+    std::fs::write(foreign.join("part-00000-0.snappy.parquet"), b"PAR1").unwrap();
+    let (code, j) = step(&s, &["stream"], &[]);
+    assert_eq!(code, 2, "{j}");
+    let msg = j["error"].as_str().unwrap();
+    assert!(msg.contains("not a Delta table") && msg.contains("part-00000-0.snappy.parquet"), "{msg}");
+    assert!(!s.path().join("facts").join("_delta_log").exists(), "nothing written");
+    assert!(!foreign.join("_delta_log").join("00000000000000000000.json").exists(), "nothing written");
+}
+
+fn copy_of(rt: &tokio::runtime::Runtime, s: &Scenario, dir: &Path) -> i64 {
+    rt.block_on(async {
+        let source = s.db.source().unwrap();
+        let ci = source.capture_instances(&s.table).await.unwrap().pop().unwrap();
+        mssql_cdc::seed_copy::export_parquet(&source, &s.table, &ci.columns, dir, 1000).await.unwrap() as i64
+    })
+}
+
+/// Item 3: two full bootstraps interleave. A opens at S_A and is held after
+/// its open; the table changes; B opens at S_B > S_A and is held longer, so
+/// A completes generation 0 at S_A and B's bronze commit then finds the
+/// generation's key taken (exit 75). B's open row stays, at an S no
+/// completion reaches; it must hold nothing: `status` lists no open
+/// snapshot, and `seed --reseed` of a newer copy is not refused as "finish
+/// it first". After it the stream continues and bronze equals the table.
+#[test]
+fn a_full_bootstrap_that_lost_at_a_higher_s_does_not_block_reseed() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut s = Scenario::new(20, FULL);
+    let a = spawn(&s, &["snapshot"], &[("MSSQL_CDC_FAILPOINTS", "snapshot.after_open=sleep(4000)")]);
+    let opens = wait_for_opens(&rt, &s, 1);
+    let s_a = opens[0];
+    s.changes(4);
+    s.db.capture().unwrap();
+    let b = spawn(&s, &["snapshot"], &[("MSSQL_CDC_FAILPOINTS", "snapshot.after_open=sleep(8000)")]);
+    let opens = wait_for_opens(&rt, &s, 2);
+    let s_b = *opens.iter().max().unwrap();
+    assert!(s_b > s_a, "B opened after the table changed: {s_a} / {s_b}");
+    let (code_a, json_a) = finish(a);
+    let (code_b, json_b) = finish(b);
+    assert_eq!(code_a, 0, "A completes: {json_a}");
+    assert_eq!(json_a["snapshot_lsn"], serde_json::json!(s_a.to_hex()), "{json_a}");
+    assert_eq!(code_b, 75, "B lost the generation: {json_b}");
+    let rows = facts(&rt, &s);
+    assert_eq!(events(&rows, "bootstrap").iter().map(|r| r.max_lsn).collect::<Vec<_>>(), vec![Some(s_a)]);
+    assert_eq!(events(&rows, "snapshot_open").len(), 2, "the loser's open row stays");
+
+    // The reseed the loser's open blocked: a copy of the table now, at max LSN.
+    s.changes(3);
+    s.db.capture().unwrap();
+    let copy = s.path().join("copy");
+    let copied = copy_of(&rt, &s, &copy);
+    let l = s.db.max_lsn().unwrap().unwrap();
+    assert!(l > s_b);
+    let (code, j) = step(&s, &["seed", "--copy", copy.to_str().unwrap(), "--as-of", &l.to_hex(), "--reseed"], &[]);
+    assert_eq!(code, 0, "a superseded open does not block the reseed: {j}");
+    assert_eq!(j["rows"], copied, "{j}");
+    assert_eq!(ok(&s, &["status"])["open_snapshots"], serde_json::json!([]));
+
+    s.changes(5);
+    s.db.capture().unwrap();
+    let j = ok(&s, &["stream"]);
+    assert_eq!(j["caught_up"], true, "{j}");
+    let rows = facts(&rt, &s);
+    assert_eq!(events(&rows, "resnapshot").iter().map(|r| r.max_lsn).collect::<Vec<_>>(), vec![Some(l)]);
+    assert_bronze_equals_table(&rt, &s, "after the reseed");
+}
