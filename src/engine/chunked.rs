@@ -825,6 +825,9 @@ impl Sink {
     /// Commits a wave: bronze (unless its rows are there already), plans
     /// rows, facts rows, and the completion row when it holds the last chunks.
     async fn commit(&mut self, mut w: WaveRead) -> StepResult<WaveCommitted> {
+        tracing::debug!(wave = w.wave, rows = w.rows, "wave read");
+        // Only a race test arms this (a sleep): two calls then hold the same wave.
+        failpoint!("chunked.before_wave_bronze");
         let txn = txn_wave_bronze(&self.app, self.s, w.wave);
         let bronze_version = if w.adds.is_empty() {
             None

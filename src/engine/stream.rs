@@ -549,6 +549,9 @@ async fn run_batch(
         }
     }
     drop(stream);
+    tracing::debug!(batch_id, rows, from = %from, "batch read");
+    // Only a race test arms this (a sleep): two calls then hold the same batch id.
+    failpoint!("stream.after_read");
     // Cleanup may have run during the read: rows of the range could be gone.
     if let Some(min) = ctx.source.min_lsn(&ctx.instance.name).await? {
         if from < min {
