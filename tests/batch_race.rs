@@ -30,7 +30,6 @@ use deltalake::arrow::util::display::array_value_to_string;
 use futures::StreamExt;
 use mssql_cdc::delta::{self, bronze, facts::FactRow};
 use mssql_cdc::lsn::Lsn;
-use mssql_cdc::source::CdcSource;
 use mssql_cdc::types::SqlValue;
 
 const FULL: &str = "[snapshot]\nbootstrap = true\nmode = \"full\"\n[stream]\nmax_batch_rows = 1000\n";

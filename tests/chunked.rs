@@ -127,7 +127,7 @@ async fn golden_chunked_bootstrap_of_three_waves() {
     let mut log = s.golden().await;
     log.push('\n');
     log.push_str(&plans_log(&s).await.join("\n"));
-    golden_settings!().bind(|| insta::assert_snapshot!("golden_chunked_three_waves", log));
+    common::golden_settings().bind(|| insta::assert_snapshot!("golden_chunked_three_waves", log));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -156,7 +156,7 @@ async fn golden_crash_after_a_waves_bronze_append_rebuilds_its_facts() {
     let mut log = s.golden().await;
     log.push('\n');
     log.push_str(&plans_log(&s).await.join("\n"));
-    golden_settings!().bind(|| insta::assert_snapshot!("golden_chunked_crash_after_wave_bronze", log));
+    common::golden_settings().bind(|| insta::assert_snapshot!("golden_chunked_crash_after_wave_bronze", log));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,7 +20,7 @@ async fn bootstrap_then_three_batches() {
     let cmp = s.verify().await;
     assert_eq!(cmp.differences(), 0, "{cmp:?}");
     let log = s.golden().await;
-    golden_settings!().bind(|| insta::assert_snapshot!("golden_bootstrap_three_batches", log));
+    common::golden_settings().bind(|| insta::assert_snapshot!("golden_bootstrap_three_batches", log));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -45,5 +45,5 @@ async fn crash_after_bronze_before_facts_then_rerun() {
     assert_eq!(s.duplicate_change_rows().await, 0);
     assert_eq!(s.duplicate_batch_rows().await, 0);
     let log = s.golden().await;
-    golden_settings!().bind(|| insta::assert_snapshot!("golden_crash_after_bronze", log));
+    common::golden_settings().bind(|| insta::assert_snapshot!("golden_crash_after_bronze", log));
 }

@@ -275,7 +275,7 @@ async fn golden_log_of_a_full_recovery() {
     s.stream().await.unwrap();
     assert_eq!(s.verify().await.differences(), 0);
     let log = s.golden().await;
-    golden_settings!().bind(|| insta::assert_snapshot!("golden_recovery_full", log));
+    common::golden_settings().bind(|| insta::assert_snapshot!("golden_recovery_full", log));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -294,7 +294,7 @@ async fn golden_log_of_a_chunked_recovery() {
     s.stream().await.unwrap();
     assert_eq!(s.verify().await.differences(), 0);
     let log = s.golden().await;
-    golden_settings!().bind(|| insta::assert_snapshot!("golden_recovery_chunked", log));
+    common::golden_settings().bind(|| insta::assert_snapshot!("golden_recovery_chunked", log));
 }
 
 /// The two demo scenarios end to end, small: no person involved, a re-snapshot, no difference.

@@ -359,5 +359,5 @@ async fn golden_seed_rerun_reseed() {
     s.stream().await.unwrap();
     assert_eq!(s.verify().await.differences(), 0);
     let log = s.golden().await;
-    golden_settings!().bind(|| insta::assert_snapshot!("golden_seed_rerun_reseed", log));
+    common::golden_settings().bind(|| insta::assert_snapshot!("golden_seed_rerun_reseed", log));
 }

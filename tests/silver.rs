@@ -104,7 +104,7 @@ async fn full_bootstrap_then_changes_apply_and_reconcile_clean() {
     let r = apply(&s).await.unwrap();
     assert_eq!((r.action.as_str(), r.seq), ("nothing", None), "{r:?}");
     let log = golden_log(&s).await;
-    golden_settings!().bind(|| insta::assert_snapshot!("golden_silver_full_then_changes", log));
+    common::golden_settings().bind(|| insta::assert_snapshot!("golden_silver_full_then_changes", log));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -135,7 +135,7 @@ async fn a_crash_between_the_merge_and_the_control_row_is_harmless() {
     assert!(!r.repaired && r.action == "nothing", "{r:?}");
     assert_clean(&reconcile(&s).await.unwrap());
     let log = golden_log(&s).await;
-    golden_settings!().bind(|| insta::assert_snapshot!("golden_silver_crash_between_merge_and_control", log));
+    common::golden_settings().bind(|| insta::assert_snapshot!("golden_silver_crash_between_merge_and_control", log));
 }
 
 /// Appends change rows to bronze as if the stream had read them (for shapes the simulator does not record).

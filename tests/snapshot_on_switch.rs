@@ -533,7 +533,7 @@ async fn golden_snapshot_opened_by_a_switch() {
     // The switch's event rows ride in the batch's bronze metadata whole: their
     // wall-clock `recorded_at` and the temporary target path vary per run.
     let log = stable(&log.replace(s.path().to_str().unwrap(), "<dir>"), "\"recorded_at\":\"");
-    golden_settings!().bind(|| insta::assert_snapshot!("golden_snapshot_opened_by_a_switch", log));
+    common::golden_settings().bind(|| insta::assert_snapshot!("golden_snapshot_opened_by_a_switch", log));
 }
 
 /// `text` with every quoted value after `key` replaced by `<varies>`.

@@ -210,12 +210,12 @@ impl Scenario {
 }
 
 /// Settings that put insta's golden files in the top-level snapshots/ folder.
-#[macro_export]
-macro_rules! golden_settings {
-    () => {{
-        let mut s = insta::Settings::clone_current();
-        s.set_snapshot_path(concat!(env!("CARGO_MANIFEST_DIR"), "/snapshots"));
-        s.set_prepend_module_to_snapshot(false);
-        s
-    }};
+/// A function, not an exported macro: several modules of `tests/suite.rs`
+/// include this file, and an exported macro defined twice in one crate does
+/// not compile.
+pub fn golden_settings() -> insta::Settings {
+    let mut s = insta::Settings::clone_current();
+    s.set_snapshot_path(concat!(env!("CARGO_MANIFEST_DIR"), "/snapshots"));
+    s.set_prepend_module_to_snapshot(false);
+    s
 }
