@@ -4,6 +4,8 @@
 //! type_change::`). Files that arm failpoints in process keep a binary each
 //! (see Cargo.toml).
 
+#[path = "batch_race.rs"]
+mod batch_race;
 #[path = "change_order.rs"]
 mod change_order;
 #[path = "cli.rs"]

@@ -414,6 +414,9 @@ pub enum Appended {
     /// A new commit at this table version.
     Committed { table_version: i64 },
     /// The table already held this txn (version `found` >= the one asked).
+    /// Another call decided this outcome: a caller that wrote something else
+    /// under the txn compares what is recorded with what it meant (see
+    /// `engine::stream::check_recorded_batch`) rather than going on.
     AlreadyApplied { found: i64 },
     /// There were no rows: nothing was committed and the txn is not recorded.
     Empty,
@@ -439,7 +442,8 @@ pub async fn txn_version(table: &DeltaTable, app_id: &str) -> StepResult<Option<
 /// under `mssql_cdc` and, as text, in `userMetadata`. Batches are written to
 /// files as they arrive, so memory stays bounded by one batch and the writer's
 /// buffer, not by the commit's size. With no rows nothing is committed
-/// ([`Appended::Empty`]): callers record such an outcome elsewhere (facts).
+/// ([`Appended::Empty`]); a step whose txn must decide an empty outcome too
+/// (a micro-batch, a wave) commits it with [`commit_no_rows`].
 pub async fn append_idempotent<S>(table: &mut DeltaTable, batches: S, schema: SchemaRef, txn: &Txn, metadata: Value) -> StepResult<Appended>
 where
     S: futures::Stream<Item = StepResult<RecordBatch>> + Send,
@@ -503,12 +507,23 @@ async fn applied_after_failure(table: &mut DeltaTable, txn: &Txn, label: &str, e
     }
 }
 
+/// Commits the txn and `metadata` with no data: the outcome of a step that
+/// read nothing (an empty micro-batch or wave), recorded in the table whose
+/// txn decides it, so a concurrent call with the same txn finds it applied
+/// instead of committing a second, different outcome. Same checks as
+/// [`append_idempotent`].
+pub async fn commit_no_rows(table: &mut DeltaTable, txn: &Txn, metadata: Value) -> StepResult<Appended> {
+    commit_adds(table, Vec::new(), txn, metadata).await
+}
+
 /// Commits data files already written (by [`RecordBatchWriter`]s whose
 /// `flush` returned these `Add` actions) in one commit with a txn, after the
 /// same "already applied" check as [`append_idempotent`]. A chunked
 /// snapshot's readers write their files while they read, so the wave's commit
 /// is only this log entry: its cost does not grow with the wave's rows.
 /// Files of an attempt that never commits are orphans Delta's VACUUM removes.
+/// With no files the commit holds the txn and the metadata only (see
+/// [`commit_no_rows`]): the txn is recorded all the same.
 pub async fn commit_adds(table: &mut DeltaTable, adds: Vec<deltalake::kernel::Add>, txn: &Txn, metadata: Value) -> StepResult<Appended> {
     use deltalake::kernel::transaction::CommitBuilder;
     use deltalake::protocol::{DeltaOperation, SaveMode};
@@ -516,9 +531,6 @@ pub async fn commit_adds(table: &mut DeltaTable, adds: Vec<deltalake::kernel::Ad
     table.update_state().await.map_err(StepError::delta(&label))?;
     if let Some(found) = applied(table, txn).await? {
         return Ok(Appended::AlreadyApplied { found });
-    }
-    if adds.is_empty() {
-        return Ok(Appended::Empty);
     }
     let props = step_commit_properties(txn, metadata);
     let actions: Vec<deltalake::kernel::Action> = adds.into_iter().map(deltalake::kernel::Action::Add).collect();

@@ -37,6 +37,22 @@
 //! and never changes while the snapshot is open: a rerun, a later call with
 //! other options, reconcile and silver all read the same chunks back.
 //!
+//! Bronze's txn decides a wave, whoever commits it: a wave whose chunks all
+//! read no rows still commits to bronze (the txn and the metadata naming its
+//! chunks, no files), and the plans and facts rows of wave w are only
+//! written after winning bronze's txn w or, by the repair, from that commit's
+//! metadata. Two `backfill` calls that both read wave w (overlapping runs;
+//! their waves may even hold other chunks, since rounds follow each call's
+//! pace) race for bronze's txn; the loser exits 75 with nothing recorded.
+//! Before this, an all-empty wave wrote only plans and facts rows: a
+//! concurrent call whose wave w read rows then committed them to bronze,
+//! found the rows applied and went on, so the facts called chunks done with
+//! none of the rows bronze holds for them (or, for other chunks, read them
+//! again as a later wave). Plans or facts rows found already applied are
+//! compared with bronze's outcome (chunks, rows, stamps, bronze version); a
+//! difference is exit 3. Waves of older tables without a bronze commit stay
+//! readable: the next wave number is the largest of the three txn versions.
+//!
 //! Waves read ahead: once a wave is read (its rows already written to data
 //! files by the readers, so no rows wait in memory), its commits run in a
 //! task of their own while the next wave is stamped and read. The next
@@ -853,10 +869,13 @@ impl Sink {
     /// Commits a wave: bronze (unless its rows are there already), plans
     /// rows, facts rows, and the completion row when it holds the last chunks.
     async fn commit(&mut self, mut w: WaveRead) -> StepResult<WaveCommitted> {
+        tracing::debug!(wave = w.wave, rows = w.rows, "wave read");
+        // Only a race test arms this (a sleep): two calls then hold the same wave.
+        failpoint!("chunked.before_wave_bronze");
         let txn = txn_wave_bronze(&self.app, self.s, w.wave);
-        let bronze_version = if w.adds.is_empty() {
-            None
-        } else {
+        // Bronze's txn decides the wave, one whose chunks all read no rows
+        // too (a commit of the txn and the metadata only): see the module docs.
+        let bronze_version = {
             let meta = json!({
                 "kind": "snapshot_wave",
                 "snapshot_lsn": self.s,
@@ -870,7 +889,7 @@ impl Sink {
             });
             match delta::commit_adds(&mut self.bronze, std::mem::take(&mut w.adds), &txn, meta).await? {
                 Appended::Committed { table_version } => Some(table_version),
-                Appended::Empty => None,
+                Appended::Empty => return Err(StepError::Internal(format!("wave {}'s bronze commit was skipped as empty", w.wave))),
                 Appended::AlreadyApplied { .. } => {
                     return Err(StepError::Temporary(format!(
                         "wave {} of the snapshot at {} was committed by another backfill call meanwhile: call again",
@@ -905,7 +924,16 @@ impl Sink {
             })
             .collect();
         let txn = txn_wave_rows(&self.app, self.s, wave);
-        append_plans(&mut self.plans, &self.app, prows, &txn).await?;
+        if let Appended::AlreadyApplied { .. } = append_plans(&mut self.plans, &self.app, prows, &txn).await? {
+            // A concurrent repair wrote them from the same bronze commit; anything else is a second outcome.
+            let recorded: Vec<ChunkPayload> = plan_rows(&mut self.plans, &self.app, self.s)
+                .await?
+                .iter()
+                .filter(|r| r.event == EVENT_SNAPSHOT_CHUNK && r.wave == Some(wave))
+                .filter_map(|r| serde_json::from_value(r.detail.clone()).ok())
+                .collect();
+            self.check_recorded_wave(wave, chunks, &recorded, "plans")?;
+        }
         failpoint!("chunked.after_wave_plans");
         self.write_wave_facts(chunks, stamp_ts, repaired).await
     }
@@ -914,7 +942,33 @@ impl Sink {
         let Some(wave) = chunks.first().map(|c| c.wave) else { return Ok(()) };
         let frows: Vec<FactRow> = chunks.iter().map(|c| self.chunk_fact(c, stamp_ts, repaired)).collect();
         let txn = txn_wave_rows(&self.app, self.s, wave);
-        append_facts_rows(&mut self.facts, &self.app, frows, &txn).await?;
+        if let Appended::AlreadyApplied { .. } = append_facts_rows(&mut self.facts, &self.app, frows, &txn).await? {
+            self.facts.update_state().await.map_err(StepError::delta(self.facts.table_url().to_string()))?;
+            let hex = self.s.to_hex();
+            let recorded: Vec<ChunkPayload> = state::facts_rows(&self.facts, &self.app)
+                .await?
+                .iter()
+                .filter(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_CHUNK))
+                .filter_map(|r| {
+                    let d = r.detail.as_ref()?;
+                    (d.get("snapshot")?.as_str()? == hex && d.get("wave")?.as_i64()? == wave).then_some(())?;
+                    Some(ChunkPayload {
+                        chunk: d.get("chunk")?.as_i64()?,
+                        wave,
+                        lo: None,
+                        hi: None,
+                        last: false,
+                        rows: r.rows.unwrap_or(0),
+                        stamp: r.min_lsn?,
+                        max_lsn: r.max_lsn?,
+                        read_ms: None,
+                        rounds: 1,
+                        bronze_version: r.bronze_version,
+                    })
+                })
+                .collect();
+            self.check_recorded_wave(wave, chunks, &recorded, "facts")?;
+        }
         failpoint!("chunked.after_wave_facts");
         for c in chunks {
             if self.done.insert(c.chunk) {
@@ -923,6 +977,40 @@ impl Sink {
         }
         self.waves_total.insert(wave);
         Ok(())
+    }
+
+    /// After the plans or facts rows of a wave were found already applied:
+    /// they must record the outcome this call derived from bronze's commit of
+    /// the wave (the same chunks, rows, stamps, and bronze version). Another
+    /// outcome for one wave would mark chunks done that bronze holds other
+    /// rows of, so it is exit 3 naming both, never accepted.
+    fn check_recorded_wave(&self, wave: i64, meant: &[ChunkPayload], recorded: &[ChunkPayload], table: &str) -> StepResult<()> {
+        let key = |c: &ChunkPayload, with_version: bool| (c.chunk, c.rows, c.stamp, if with_version { c.bronze_version } else { None });
+        // A wave rebuilt from bronze's rows (its commit cleaned up) knows no bronze version.
+        let with_version = meant.iter().all(|c| c.bronze_version.is_some());
+        let mut a: Vec<_> = meant.iter().map(|c| key(c, with_version)).collect();
+        let mut b: Vec<_> = recorded.iter().map(|c| key(c, with_version)).collect();
+        a.sort();
+        b.sort();
+        if a == b {
+            return Ok(());
+        }
+        let show = |v: &[(i64, i64, Lsn, Option<i64>)]| {
+            v.iter()
+                .map(|(c, r, l, bv)| format!("chunk {c}: {r} rows at {l}{}", bv.map(|v| format!(" (bronze version {v})")).unwrap_or_default()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        Err(StepError::NeedsPerson(format!(
+            "wave {wave} of the chunked snapshot at {} has two outcomes: bronze's commit of it says [{}], but the {table} table \
+             records [{}] under txn {}. Stop every other backfill of app_id '{}' (an older mssql-cdc commits an empty wave \
+             without bronze), then open a new snapshot (a new generation) for this table",
+            self.s,
+            show(&a),
+            if b.is_empty() { "nothing".to_string() } else { show(&b) },
+            txn_wave_rows(&self.app, self.s, wave).app_id,
+            self.app
+        )))
     }
 
     /// Writes the completion row once every planned chunk has its facts row.

@@ -9,6 +9,35 @@
 //! metadata before reading anything, so the position never moves back and no
 //! change is written twice.
 //!
+//! Bronze's txn is the one arbiter of a batch, whoever commits it. A batch
+//! that read no rows still commits to bronze: a commit holding only the txn
+//! action and the batch's metadata (Delta accepts a commit without data
+//! actions; deltalake's `CommitData` is built from an empty action list
+//! plus commitInfo and txn). Two calls that hold the same batch id (two
+//! orchestrator runs overlapping) race for bronze's txn N; the loser finds it
+//! applied and exits 75 without writing anything, and the facts row of N is
+//! only ever written from the winner's commit: by the winner itself, or by
+//! the repair above from the commit's metadata. An older protocol committed
+//! an empty batch to the facts only; a call with rows for the same batch id
+//! then won bronze N, found facts N applied and ignored it, so the facts
+//! ended N where bronze did not and the next batch wrote the changes in
+//! between again. Alternatives considered: making the facts txn the arbiter
+//! (bronze written after it) would need a facts row whose range is not yet
+//! in bronze, and a crash between them could not be repaired from bronze;
+//! comparing after the fact only detects the damage. The cost of the chosen
+//! one is one more commit (bronze's, a few hundred bytes of log) for each
+//! empty batch; a batch with rows makes the same two commits as before.
+//!
+//! A facts append that finds N applied (a concurrent repair wrote it from the
+//! same bronze commit) compares the recorded range, rows and bronze version
+//! with the ones this call derived; a difference is exit 3 naming both, never
+//! ignored. Tables written by older releases stay readable: their empty
+//! batches have a facts row and no bronze commit, and bronze's txn version
+//! may trail the facts (the next batch id is the larger of the two plus one).
+//! A newest facts row without a bronze version while bronze holds a commit of
+//! that batch id is the older race's damage, and stops the stream (exit 3)
+//! before it writes the changes twice.
+//!
 //! `on_data_loss = "skip"` is refused while the generation's chunked snapshot
 //! is still open. A chunked snapshot is only right because bronze holds every
 //! change after its S without a gap (adr-0028's P3): a chunk row stamped L is
@@ -438,13 +467,15 @@ pub async fn append_facts_untracked(ctx: &mut Context, rows: Vec<FactRow>) -> St
 
 /// Writes the facts rows of batches bronze holds without them.
 async fn repair(ctx: &mut Context, st: &StreamState) -> StepResult<Vec<i64>> {
+    check_newest_batch(ctx, st).await?;
     let Some(upto) = st.batch_to_repair() else { return Ok(vec![]) };
     let first = st.last_batch.as_ref().and_then(|b| b.batch_id).map(|b| b + 1).unwrap_or(0);
     let mut repaired = Vec::new();
     for batch_id in first..=upto {
         let txn = Txn::new(st.generation_app_id.clone(), batch_id);
         let Some((version, meta)) = delta::find_txn_commit(&ctx.bronze, &txn).await? else {
-            // An empty batch has no bronze commit; only the newest one can be missing facts.
+            // Older releases made no bronze commit for an empty batch; only
+            // the newest batch can be missing its facts row.
             if batch_id < upto {
                 continue;
             }
@@ -478,16 +509,88 @@ async fn repair(ctx: &mut Context, st: &StreamState) -> StepResult<Vec<i64>> {
         };
         let skips: Vec<Skip> = meta.get("skipped").cloned().map(serde_json::from_value).transpose().ok().flatten().unwrap_or_default();
         let events: Vec<FactRow> = meta.get("events").cloned().map(serde_json::from_value).transpose().ok().flatten().unwrap_or_default();
-        let mut rows_out = vec![row];
+        let mut rows_out = vec![row.clone()];
         rows_out.extend(skips.iter().map(|k| k.fact_row(ctx, st.generation, batch_id)));
         rows_out.extend(events.into_iter().map(|mut e| {
             e.batch_id = Some(batch_id);
             e
         }));
-        append_facts(ctx, rows_out, &Txn::new(format!("{}#facts", st.generation_app_id), batch_id)).await?;
+        if let Appended::AlreadyApplied { .. } = append_facts(ctx, rows_out, &Txn::new(format!("{}#facts", st.generation_app_id), batch_id)).await? {
+            // The call that committed the batch wrote its row meanwhile.
+            check_recorded_batch(ctx, st, &row, "bronze's commit of the batch").await?;
+        }
         repaired.push(batch_id);
     }
     Ok(repaired)
+}
+
+/// What the facts must agree on for one batch: its range, its rows and the
+/// bronze commit that decided it.
+fn outcome(row: &FactRow) -> (Option<Lsn>, Option<Lsn>, Option<i64>, Option<i64>) {
+    (row.min_lsn, row.max_lsn, row.rows, row.bronze_version)
+}
+
+fn describe_outcome(row: &FactRow) -> String {
+    let lsn = |l: Option<Lsn>| l.map(|l| l.to_hex()).unwrap_or_else(|| "none".into());
+    let version = row.bronze_version.map(|v| format!("bronze version {v}")).unwrap_or_else(|| "no bronze commit".into());
+    format!("({}, {}] with {} rows, {version}", lsn(row.min_lsn.map(Lsn::decrement)), lsn(row.max_lsn), row.rows.unwrap_or(0))
+}
+
+/// After a facts append found batch N's txn already applied: the row the
+/// facts hold for N must be the outcome `meant` names (derived from bronze's
+/// commit of N). Any other row is a second outcome for one batch, which
+/// would move the position to where bronze did not stop: exit 3, never
+/// accepted.
+async fn check_recorded_batch(ctx: &mut Context, st: &StreamState, meant: &FactRow, meant_from: &str) -> StepResult<()> {
+    let batch_id = meant.batch_id.expect("a batch row has a batch id");
+    ctx.facts.update_state().await.map_err(StepError::delta(&ctx.workflow.target.facts))?;
+    let rows = state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
+    let recorded: Vec<&FactRow> =
+        rows.iter().filter(|r| r.generation == st.generation && r.event.is_none() && r.batch_id == Some(batch_id)).collect();
+    if recorded.len() == 1 && outcome(recorded[0]) == outcome(meant) {
+        return Ok(());
+    }
+    let found = match recorded.as_slice() {
+        [] => "no row for it".to_string(),
+        many => many.iter().map(|r| describe_outcome(r)).collect::<Vec<_>>().join("; "),
+    };
+    Err(StepError::NeedsPerson(format!(
+        "batch {batch_id} of {} has two outcomes: {meant_from} says {}, but the facts (txn {}#facts) record {found}. \
+         Going on would read the changes between the two ends again or never. Stop every other writer of app_id '{}' \
+         (an older mssql-cdc writes empty batches without a bronze commit), compare bronze's rows with _batch_id = {batch_id} \
+         with the change table, and correct the facts row by hand, or start a new app_id",
+        st.generation_app_id,
+        describe_outcome(meant),
+        st.generation_app_id,
+        ctx.workflow.app_id
+    )))
+}
+
+/// The damage an older release's race left (before bronze decided empty
+/// batches): the newest facts row records batch N as empty without a bronze
+/// commit while bronze holds a commit of N, made by a concurrent call that
+/// read rows. The facts' end is then not bronze's, and the next batch would
+/// write the changes in between a second time. Cheap: only a newest row
+/// without a bronze version and bronze at the same batch id is looked up.
+async fn check_newest_batch(ctx: &mut Context, st: &StreamState) -> StepResult<()> {
+    let Some(last) = st.last_batch.as_ref() else { return Ok(()) };
+    let Some(batch_id) = last.batch_id else { return Ok(()) };
+    if last.bronze_version.is_some() || st.bronze_batch != Some(batch_id) {
+        return Ok(());
+    }
+    let Some((version, meta)) = delta::find_txn_commit(&ctx.bronze, &Txn::new(st.generation_app_id.clone(), batch_id)).await? else {
+        return Ok(());
+    };
+    let lsn = |k: &str| meta.get(k).and_then(Value::as_str).and_then(|s| Lsn::parse(s).ok());
+    let bronze_row = FactRow {
+        batch_id: Some(batch_id),
+        min_lsn: lsn("from_lsn"),
+        max_lsn: lsn("to_lsn"),
+        rows: meta.get("rows").and_then(Value::as_i64),
+        bronze_version: Some(version),
+        ..Default::default()
+    };
+    check_recorded_batch(ctx, st, &bronze_row, "bronze's commit of the batch").await
 }
 
 /// Reads, commits and records one micro-batch.
@@ -549,6 +652,9 @@ async fn run_batch(
         }
     }
     drop(stream);
+    tracing::debug!(batch_id, rows, from = %from, "batch read");
+    // Only a race test arms this (a sleep): two calls then hold the same batch id.
+    failpoint!("stream.after_read");
     // Cleanup may have run during the read: rows of the range could be gone.
     if let Some(min) = ctx.source.min_lsn(&ctx.instance.name).await? {
         if from < min {
@@ -583,20 +689,25 @@ async fn run_batch(
     if !events.is_empty() {
         meta["events"] = json!(events);
     }
+    // Bronze's txn decides the batch, an empty one too (a commit of the txn
+    // and the metadata only): see the module docs.
     let txn = Txn::new(st.generation_app_id.clone(), batch_id);
-    let bronze_version = if rows > 0 {
-        match delta::append_batches(&mut ctx.bronze, out, bronze_schema, &txn, meta).await? {
-            Appended::Committed { table_version } => Some(table_version),
-            Appended::Empty => None,
-            Appended::AlreadyApplied { .. } => {
-                return Err(StepError::Temporary(format!(
-                    "batch {batch_id} of {} was committed by another writer meanwhile: call again",
-                    st.generation_app_id
-                )))
-            }
-        }
+    let appended = if rows > 0 {
+        delta::append_batches(&mut ctx.bronze, out, bronze_schema, &txn, meta).await?
     } else {
-        None
+        delta::commit_no_rows(&mut ctx.bronze, &txn, meta).await?
+    };
+    let bronze_version = match appended {
+        Appended::Committed { table_version } => table_version,
+        Appended::Empty => return Err(StepError::Internal(format!("batch {batch_id} read {rows} rows but bronze wrote none of them"))),
+        Appended::AlreadyApplied { .. } => {
+            // Another call won batch N: its outcome stands, and the next call
+            // records it (from bronze's commit) and reads on from its end.
+            return Err(StepError::Temporary(format!(
+                "batch {batch_id} of {} was committed by another writer meanwhile: call again",
+                st.generation_app_id
+            )));
+        }
     };
     failpoint!("stream.after_bronze");
     let min_now = ctx.source.min_lsn(&ctx.instance.name).await?;
@@ -623,7 +734,7 @@ async fn run_batch(
             (Some(c), Some(w)) => Some((c - w).num_milliseconds() as f64 / 1000.0),
             _ => None,
         },
-        bronze_version,
+        bronze_version: Some(bronze_version),
         recorded_at: Some(chrono::Utc::now()),
         ..Default::default()
     };
@@ -635,7 +746,11 @@ async fn run_batch(
         e.batch_id = Some(batch_id);
         e
     }));
-    append_facts(ctx, rows_out, &Txn::new(format!("{}#facts", st.generation_app_id), batch_id)).await?;
+    let facts_txn = Txn::new(format!("{}#facts", st.generation_app_id), batch_id);
+    if let Appended::AlreadyApplied { .. } = append_facts(ctx, rows_out, &facts_txn).await? {
+        // A concurrent call repaired the row from our bronze commit: the same outcome, unless something else wrote it.
+        check_recorded_batch(ctx, st, &row, "this call's bronze commit").await?;
+    }
     failpoint!("stream.after_facts");
     tracing::info!(batch_id, rows, from = %from, to = %to, "batch committed");
     Ok(BatchOutcome::Committed(row))
