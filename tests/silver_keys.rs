@@ -12,16 +12,12 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use deltalake::arrow::array::Array;
 use deltalake::arrow::record_batch::RecordBatch;
-use deltalake::arrow::util::display::array_value_to_string;
-use futures::StreamExt;
 use mssql_cdc::delta;
 use mssql_cdc::sim::{SimDb, TableSpec};
-use mssql_cdc::source::{CdcSource, Isolation, KeyRange, SnapshotRead, TableName};
+use mssql_cdc::source::TableName;
 use mssql_cdc::types::{ColumnDesc, SqlType, SqlValue};
 
 /// The captured columns, in order; `key` is the nullable unique column silver is keyed on.
@@ -117,7 +113,7 @@ impl Case {
 
     /// Silver must hold the simulator's rows: every column, every row, as a multiset.
     async fn assert_silver_is_the_table(&self, when: &str) {
-        let source = source_rows(&self.db, &self.table, &columns(&self.key_type)).await;
+        let source = common::model::source_rows(&self.db, &self.table, &columns(&self.key_type)).await;
         let silver = silver_rows(&self.silver, &columns(&self.key_type)).await;
         assert_eq!(silver, source, "{when}: silver (left) differs from the simulator's table (right)");
     }
@@ -139,61 +135,9 @@ fn run_cli(wf_path: &Path, step: &str) -> (Option<i32>, serde_json::Value) {
     (out.status.code(), json)
 }
 
-/// A row's values as text, NULL as a marker no value prints as.
-fn row_texts(batch: &RecordBatch, columns: &[ColumnDesc]) -> Vec<String> {
-    let arrays: Vec<_> = columns
-        .iter()
-        .map(|c| {
-            let i = batch.schema().index_of(&c.name).unwrap_or_else(|_| panic!("column {} missing from {:?}", c.name, batch.schema()));
-            batch.column(i).clone()
-        })
-        .collect();
-    (0..batch.num_rows())
-        .map(|r| {
-            arrays
-                .iter()
-                .map(|a| if a.is_null(r) { "\u{2400}NULL".to_string() } else { array_value_to_string(a.as_ref(), r).unwrap() })
-                .collect::<Vec<_>>()
-                .join(" | ")
-        })
-        .collect()
-}
-
-/// Row text -> how many times it occurs.
-type Multiset = BTreeMap<String, usize>;
-
-/// The simulator's rows, read through its own snapshot reader (a SELECT of the whole table).
-async fn source_rows(db: &SimDb, table: &TableName, columns: &[ColumnDesc]) -> Multiset {
-    let src = db.source().unwrap();
-    let read = SnapshotRead {
-        table: table.clone(),
-        columns: columns.to_vec(),
-        keys: vec![],
-        range: KeyRange::all(),
-        isolation: Isolation::ReadCommitted,
-        batch_rows: 1000,
-    };
-    let mut stream = src.snapshot_read(&read).await.unwrap();
-    let mut out = Multiset::new();
-    while let Some(b) = stream.next().await {
-        for t in row_texts(&b.unwrap(), columns) {
-            *out.entry(t).or_default() += 1;
-        }
-    }
-    assert_eq!(out.values().sum::<usize>() as u64, db.row_count(table).unwrap(), "the reader returns every row");
-    out
-}
-
 /// Silver's rows (captured columns only), read with a plain query.
-async fn silver_rows(location: &str, columns: &[ColumnDesc]) -> Multiset {
-    let t = delta::open_existing(location, &Default::default()).await.unwrap().expect("silver exists");
-    let mut out = Multiset::new();
-    for b in delta::query(&t, "SELECT * FROM t").await.unwrap() {
-        for t in row_texts(&b, columns) {
-            *out.entry(t).or_default() += 1;
-        }
-    }
-    out
+async fn silver_rows(location: &str, columns: &[ColumnDesc]) -> common::model::Multiset {
+    common::model::delta_rows(location, columns, "true").await
 }
 
 /// The NULL-key row updated several times (apply after each), deleted, and
