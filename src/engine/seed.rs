@@ -4,7 +4,9 @@
 //!
 //! The copy stands for the table as of a point L: the LSN the caller recorded
 //! before the copy started, or the copy's start time mapped to the largest
-//! commit LSN at or before it on the server's clock ([`mapping_time`]). Every
+//! commit LSN at or before it on the server's clock ([`server_mapping_time`]:
+//! the server itself reads its clock at that instant, never rules compiled in
+//! here, which can differ from its Windows rules and map an hour late). Every
 //! commit at or before L must be in the copy; later ones may be too, because
 //! the stream replays everything after L and the latest image per key absorbs
 //! the overlap. So every approximation of L goes earlier, never later.
@@ -51,7 +53,7 @@ use crate::delta::{self, Appended, Txn};
 use crate::error::{StepError, StepResult};
 use crate::failpoint;
 use crate::lsn::Lsn;
-use crate::source::{ServerZone, TimeOp};
+use crate::source::{CdcSource, ServerZone, SourceError, TimeOp};
 
 /// What the copy stands for: an LSN recorded before it started, or its start time.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -234,22 +236,41 @@ pub fn decide(input: &SeedInput) -> SeedDecision {
 }
 
 /// The server-local time to pass to `fn_cdc_map_time_to_lsn('largest less
-/// than or equal', ...)` for a copy that started at `as_of`. Each adjustment
-/// can only make L earlier (a replay), never later (a skip):
+/// than or equal', ...)` for a copy that started at `as_of`, from the
+/// server's own readings of its clock ([`CdcSource::server_local_times`]) at
+/// `as_of` and an hour later; see [`mapping_time_from_readings`] for the
+/// adjustments. The mapping table holds the server's wall-clock times, so the
+/// server converts: with compiled-in rules that differ from the server's
+/// (a zone whose DST changed), the time would be an hour late and the seed
+/// would skip the commits of that hour.
+pub async fn server_mapping_time(source: &dyn CdcSource, as_of: DateTime<Utc>) -> Result<NaiveDateTime, SourceError> {
+    let readings = source.server_local_times(&[as_of, as_of + Duration::hours(1)]).await?;
+    match readings.as_slice() {
+        [own, hour_later] => Ok(mapping_time_from_readings(*own, *hour_later)),
+        other => Err(SourceError::Other(format!("the source answered {} wall-clock times for 2 instants", other.len()))),
+    }
+}
+
+/// The mapping time from two readings of the server's clock: `own` at the
+/// copy's start and `hour_later` an hour after it. Each adjustment can only
+/// make L earlier (a replay), never later (a skip):
 /// - in a fall-back hour the wall clock repeats, and commits up to an hour
-///   after `as_of` show earlier local times with larger LSNs; so the time
-///   passed is the earlier of `as_of`'s local time and the local time an hour
-///   later less an hour (the same time outside a fall-back, an hour earlier
-///   inside one);
+///   after the start show earlier local times with larger LSNs; so the time
+///   passed is the earlier of `own` and `hour_later` less an hour (the same
+///   time outside a fall-back, an hour earlier inside one);
 /// - mapping times are `datetime`, rounded to 1/300 s (up or down by up to
 ///   2 ms), so the time steps back past that error and is truncated to the
 ///   whole second, which `datetime` holds exactly.
-pub fn mapping_time(zone: &ServerZone, as_of: DateTime<Utc>) -> NaiveDateTime {
-    let own = zone.to_local(as_of);
-    let hour = Duration::hours(1);
-    let hour_later_less_hour = zone.to_local(as_of + hour) - hour;
-    let earlier = own.min(hour_later_less_hour);
+pub fn mapping_time_from_readings(own: NaiveDateTime, hour_later: NaiveDateTime) -> NaiveDateTime {
+    let earlier = own.min(hour_later - Duration::hours(1));
     (earlier - Duration::milliseconds(3)).trunc_subsecs(0)
+}
+
+/// [`server_mapping_time`] for a server whose clock follows `zone` exactly as
+/// the rules compiled into this program say: the reference tests compare a
+/// source's answer with. The seed never uses it.
+pub fn mapping_time(zone: &ServerZone, as_of: DateTime<Utc>) -> NaiveDateTime {
+    mapping_time_from_readings(zone.to_local(as_of), zone.to_local(as_of + Duration::hours(1)))
 }
 
 /// Runs the `seed` step.
@@ -267,7 +288,7 @@ pub async fn run(ctx: &mut Context, args: &SeedArgs) -> StepResult<SeedResult> {
     let lsn = match &args.as_of {
         AsOf::Lsn(l) => Some(*l),
         AsOf::Time(t) => {
-            let local = mapping_time(&ctx.zone, *t);
+            let local = server_mapping_time(ctx.source.as_ref(), *t).await?;
             let l = ctx.source.time_to_lsn(TimeOp::LargestLessThanOrEqual, local).await?;
             tracing::info!(as_of = %t, server_local = %local, zone = %ctx.zone.name, lsn = ?l, "mapped the copy's start time to an LSN");
             l
@@ -740,6 +761,62 @@ mod tests {
         assert_eq!(mapping_time(&z, at), local("2026-10-01 16:53:59"));
         let at = Utc.with_ymd_and_hms(2026, 10, 1, 19, 54, 0).unwrap() + Duration::milliseconds(5);
         assert_eq!(mapping_time(&z, at), local("2026-10-01 16:54:00"));
+    }
+
+    /// The copy's start is read on the server's clock, by the server. Here a
+    /// server in New York whose rules kept standard time in July (UTC-05:00)
+    /// while the rules compiled in here say daylight time (UTC-04:00) for the
+    /// zone it reports: converted here, the start would land an hour late,
+    /// on a commit made half an hour after the copy began.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_seed_by_time_reads_the_servers_clock_not_compiled_rules() {
+        use crate::sim::{Clock, SimConfig};
+        use crate::types::SqlValue;
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = SimConfig {
+            clock: Clock::Manual { start: Utc.with_ymd_and_hms(2026, 7, 1, 12, 0, 0).unwrap(), tick_ms: 1000 },
+            time_zone: "America/New_York".into(),
+            zone_rules: Some("UTC-05:00".into()),
+            capture_lag_ms: 0,
+            idle_interval_seconds: 0,
+            ..SimConfig::default()
+        };
+        let h = crate::demo::Harness::create_with(dir.path(), 20, cfg).unwrap();
+        h.write_workflow("").unwrap();
+        let created = chrono::NaiveDate::from_ymd_opt(2026, 1, 1).unwrap().and_hms_opt(0, 0, 0).unwrap();
+        let order = |id: i64| {
+            vec![
+                SqlValue::Int(id),
+                SqlValue::Str(format!("c{id}")),
+                SqlValue::Decimal { value: 100, scale: 2 },
+                SqlValue::Str("new".into()),
+                SqlValue::DateTime(created),
+                SqlValue::Null,
+            ]
+        };
+        let before = h.db.transaction(|tx| tx.insert(&h.table, order(101))).unwrap();
+        h.db.capture().unwrap();
+        h.db.advance_clock(std::time::Duration::from_secs(600)).unwrap();
+        let as_of = h.db.now().unwrap();
+        let source = h.db.source().unwrap();
+        let ci = source.capture_instances(&h.table).await.unwrap().pop().unwrap();
+        let copy = dir.path().join("copy");
+        crate::seed_copy::export_parquet(&source, &h.table, &ci.columns, &copy, 1000).await.unwrap();
+        // Half an hour after the copy started: 07:40 on the server's clock.
+        h.db.advance_clock(std::time::Duration::from_secs(1800)).unwrap();
+        let after = h.db.transaction(|tx| tx.insert(&h.table, order(102))).unwrap();
+        h.db.capture().unwrap();
+
+        let mut ctx = Context::open(h.workflow().unwrap()).await.unwrap();
+        // The trap: the compiled-in rules read the start as 08:10, after the later commit's 07:40.
+        let compiled = mapping_time(&ctx.zone, as_of);
+        assert_eq!(ctx.source.time_to_lsn(TimeOp::LargestLessThanOrEqual, compiled).await.unwrap(), Some(after));
+        // The server reads 07:10, its own clock.
+        let servers = ServerZone { name: "UTC-05:00".into(), kind: ZoneKind::Fixed(-5 * 3600) };
+        assert_eq!(server_mapping_time(ctx.source.as_ref(), as_of).await.unwrap(), mapping_time(&servers, as_of));
+        let args = SeedArgs { copy: copy.to_string_lossy().into_owned(), as_of: AsOf::Time(as_of), reseed: false, allow_missing_columns: false };
+        let r = run(&mut ctx, &args).await.unwrap();
+        assert_eq!(r.lsn, before, "L must be the last commit before the copy started");
     }
 
     #[test]

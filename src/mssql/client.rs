@@ -18,7 +18,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use backoff::backoff::Backoff;
 use backoff::ExponentialBackoff;
-use chrono::NaiveDateTime;
+use chrono::{DateTime, NaiveDateTime, Utc};
 use deltalake::arrow::record_batch::RecordBatch;
 use futures::StreamExt;
 use tiberius::{Client, Row, ToSql};
@@ -28,8 +28,8 @@ use tokio_util::compat::{Compat, TokioAsyncWriteCompatExt};
 
 use super::config::{MssqlConfig, PASSWORD_ENV};
 use super::convert::{self, Bind};
-use super::sql::{self, KeyCol, ReadColumn, Statement};
-use super::windows_zones::windows_to_iana;
+use super::sql::{self, KeyCol, LocalConversion, ReadColumn, Statement};
+use super::windows_zones::{iana_to_windows, windows_to_iana};
 use crate::lsn::Lsn;
 use crate::source::{
     BatchStream, CaptureInstance, CdcSource, ChangeBatchBuilder, Isolation, KeyRange, RowFilter, ServerZone, SnapshotRead,
@@ -66,6 +66,9 @@ struct Inner {
     /// Per table, the collation of each string column by name (read once per
     /// process: `compare_keys` names it in every comparison it sends).
     collations: Mutex<HashMap<TableName, HashMap<String, String>>>,
+    /// How the server turns instants into its wall-clock time, settled by
+    /// `server_time_zone` (which also checks a configured zone).
+    conversion: Mutex<Option<LocalConversion>>,
 }
 
 /// A SQL Server CDC source over tiberius.
@@ -200,6 +203,172 @@ pub fn resolve_zone(text: &str) -> Option<ServerZone> {
         return Some(ServerZone { name: t.to_string(), kind: ZoneKind::Named(tz) });
     }
     t.parse::<chrono_tz::Tz>().ok().map(|tz| ServerZone { name: t.to_string(), kind: ZoneKind::Named(tz) })
+}
+
+/// The server's clock as one `SYSDATETIMEOFFSET()` reading shows it (`sql::server_clock`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct ServerClock {
+    /// The offset the clock runs at, in minutes east of UTC.
+    offset_minutes: i64,
+    /// The instant of the reading.
+    utc_now: DateTime<Utc>,
+}
+
+/// `+hh:mm` / `-hh:mm`, as `sys.time_zone_info.current_utc_offset` writes offsets.
+fn hhmm(minutes: i64) -> String {
+    let sign = if minutes < 0 { '-' } else { '+' };
+    let m = minutes.abs();
+    format!("{sign}{:02}:{:02}", m / 60, m % 60)
+}
+
+/// The offset the rules compiled into this program give `zone` at `at`, in
+/// minutes east of UTC. Only ever compared with the server's clock: no time
+/// the server looks up is computed with it.
+fn compiled_offset_minutes(zone: &ServerZone, at: DateTime<Utc>) -> i64 {
+    (zone.to_local(at) - at.naive_utc()).num_minutes()
+}
+
+/// Refuses a configured zone (`time_zone=` in the URL) that disagrees with the
+/// offset the server's clock runs at now. A zone that is wrong puts commit
+/// times an offset away from their instants, and a seed's start time an
+/// offset away from the commits it must include (an hour late skips them).
+fn check_configured_zone(text: &str, zone: &ServerZone, clock: &ServerClock, reported: Option<&str>) -> Result<(), SourceError> {
+    let expected = compiled_offset_minutes(zone, clock.utc_now);
+    if expected == clock.offset_minutes {
+        return Ok(());
+    }
+    let fix = match reported {
+        Some(name) => format!("The server reports its zone as '{name}': remove time_zone= from the source URL, or set it to that name."),
+        None => format!(
+            "Set time_zone= in the source URL to the zone the server's clock runs in: one of \
+             SELECT name FROM sys.time_zone_info WHERE current_utc_offset = '{off}' (SQL Server 2016 and later), \
+             or UTC{off} on an older server.",
+            off = hhmm(clock.offset_minutes)
+        ),
+    };
+    Err(SourceError::Config(format!(
+        "time_zone={text} in the source URL puts the server's clock at UTC{} now, but the server's clock runs at UTC{} \
+         (DATEPART(TZOFFSET, SYSDATETIMEOFFSET())); with that zone commit times would be read off by the difference and a \
+         seed by time could start after commits its copy lacks. {fix}",
+        hhmm(expected),
+        hhmm(clock.offset_minutes)
+    )))
+}
+
+/// The zone and its conversion as far as the server's first answers settle them.
+#[derive(Debug, Clone, PartialEq)]
+enum ZonePlan {
+    /// The zone, and how the server converts instants to its clock.
+    Ready(ServerZone, LocalConversion),
+    /// A zone configured by name on a server that cannot name its own: the
+    /// Windows name to look up in `sys.time_zone_info` next (`sql::zone_rules_offset`).
+    Probe(ServerZone, String),
+}
+
+/// Settles the server's zone from what it reports (`CURRENT_TIMEZONE_ID()`,
+/// SQL Server 2022 and Azure SQL), the configured zone and one reading of
+/// its clock, checking a configured zone against that reading first:
+/// * a reported zone is the server's own, and `AT TIME ZONE` with its name
+///   converts on the server;
+/// * a zone configured by name is looked up on the server next, whose own
+///   rules for it then convert (`ZonePlan::Probe`); a zone with no Windows
+///   name, or a fixed offset, converts at the server's current offset.
+fn plan_zone(reported: Option<&str>, configured: Option<&str>, clock: &ServerClock) -> Result<ZonePlan, SourceError> {
+    let configured = match configured {
+        Some(t) => Some((
+            t,
+            resolve_zone(t).ok_or_else(|| {
+                SourceError::Config(format!("time_zone={t} is neither a Windows or IANA zone name nor a fixed offset like UTC+02:00"))
+            })?,
+        )),
+        None => None,
+    };
+    if let Some((t, z)) = &configured {
+        check_configured_zone(t, z, clock, reported)?;
+    }
+    if let Some(name) = reported.map(str::trim).filter(|n| !n.is_empty()) {
+        let zone = match (resolve_zone(name), &configured) {
+            (Some(z), _) => z,
+            (None, Some((_, z))) => z.clone(),
+            (None, None) => {
+                return Err(SourceError::Config(format!(
+                    "the server's time zone '{name}' is not one this program can map; set time_zone= in the source URL"
+                )))
+            }
+        };
+        if configured.is_none() && compiled_offset_minutes(&zone, clock.utc_now) != clock.offset_minutes {
+            tracing::warn!(
+                zone = %name,
+                server_offset = %hhmm(clock.offset_minutes),
+                compiled_offset = %hhmm(compiled_offset_minutes(&zone, clock.utc_now)),
+                "the time-zone rules built into this program disagree with the server's clock now: commit times \
+                 (converted here) will be off by the difference; a seed's start time is still converted by the server"
+            );
+        }
+        return Ok(ZonePlan::Ready(zone, LocalConversion::AtTimeZone(name.to_string())));
+    }
+    let Some((text, zone)) = configured else {
+        return Err(SourceError::Config(
+            "the server does not report its time zone (CURRENT_TIMEZONE_ID needs SQL Server 2022); set time_zone= in the source URL, \
+             for example time_zone=UTC or time_zone=W.%20Europe%20Standard%20Time"
+                .into(),
+        ));
+    };
+    let windows = match &zone.kind {
+        ZoneKind::Fixed(_) => None,
+        ZoneKind::Named(tz) => match windows_to_iana(text) {
+            Some(_) => Some(text.trim().to_string()),
+            None => iana_to_windows(tz.name()).map(str::to_string),
+        },
+    };
+    let named = matches!(zone.kind, ZoneKind::Named(_));
+    match (windows, named) {
+        (Some(w), _) => Ok(ZonePlan::Probe(zone, w)),
+        (None, true) => {
+            tracing::warn!(
+                time_zone = %text,
+                "time_zone= names a zone without a Windows name, so the server cannot apply its rules to it: times are \
+                 converted at the server's current offset, which is an hour off for a seed start time across a DST \
+                 change; configure the Windows name (sys.time_zone_info) instead"
+            );
+            Ok(ZonePlan::Ready(zone, LocalConversion::CurrentOffset))
+        }
+        (None, false) => Ok(ZonePlan::Ready(zone, LocalConversion::CurrentOffset)),
+    }
+}
+
+/// The conversion after `sql::zone_rules_offset` answered for the Windows
+/// name `windows` (configured as `configured`): the server's spelling, the
+/// offset its rules give the zone now and the offset its clock runs at now,
+/// or no row for a zone it does not have. A zone whose rules disagree with
+/// the clock is not the server's zone.
+fn settle_probe(configured: &str, windows: &str, answer: Option<(String, i64, i64)>) -> Result<LocalConversion, SourceError> {
+    match answer {
+        None => Err(SourceError::Config(format!(
+            "time_zone={configured} names the Windows zone '{windows}', which this server does not have (sys.time_zone_info \
+             has no such name): set time_zone= in the source URL to a name from SELECT name FROM sys.time_zone_info"
+        ))),
+        Some((name, zone_offset, server_offset)) if zone_offset != server_offset => Err(SourceError::Config(format!(
+            "time_zone={configured}: the server's own rules put '{name}' at UTC{} now, but the server's clock runs at UTC{}, \
+             so its clock is not in that zone. Set time_zone= in the source URL to the zone it runs in: one of \
+             SELECT name FROM sys.time_zone_info WHERE current_utc_offset = '{}'",
+            hhmm(zone_offset),
+            hhmm(server_offset),
+            hhmm(server_offset)
+        ))),
+        Some((name, _, _)) => Ok(LocalConversion::AtTimeZone(name)),
+    }
+}
+
+/// Whether a statement failed because the server has no `AT TIME ZONE` or
+/// `sys.time_zone_info` (before SQL Server 2016): a syntax error (102, 156)
+/// or an unknown object (208).
+fn lacks_time_zone_support(e: &SourceError) -> bool {
+    match e {
+        SourceError::Other(m) => m.contains("SQL Server error 102:") || m.contains("SQL Server error 156:"),
+        SourceError::Config(m) => m.contains("(error 208)"),
+        _ => false,
+    }
 }
 
 impl Inner {
@@ -463,6 +632,7 @@ impl MssqlSource {
             tables: Mutex::new(HashMap::new()),
             collations: Mutex::new(HashMap::new()),
             has_command_id: Mutex::new(HashMap::new()),
+            conversion: Mutex::new(None),
         });
         let first = inner.open().await?;
         inner.release(first).await;
@@ -499,6 +669,29 @@ impl MssqlSource {
 
     async fn rows(&self, stmt: &Statement, iso: Isolation) -> Result<Vec<Row>, SourceError> {
         self.inner.query_rows(stmt, iso, &Ctx::default()).await
+    }
+
+    fn conversion(&self) -> Option<LocalConversion> {
+        self.inner.conversion.lock().ok().and_then(|c| (*c).clone())
+    }
+
+    fn set_conversion(&self, conversion: LocalConversion) {
+        if let Ok(mut c) = self.inner.conversion.lock() {
+            *c = Some(conversion);
+        }
+    }
+
+    /// One reading of the server's clock: its offset now and the instant.
+    async fn server_clock(&self) -> Result<ServerClock, SourceError> {
+        let rows = self.rows(&sql::server_clock(), Isolation::ReadCommitted).await?;
+        let r = first_row(&rows)?;
+        let offset_minutes = convert::row_i64(r, 0)?.ok_or_else(|| SourceError::Other("SYSDATETIMEOFFSET() answered no offset".into()))?;
+        let d = r.get_column_data(1).map_err(|e| SourceError::Other(e.to_string()))?;
+        let utc_now = match convert::column_value(d, &SqlType::DateTime2 { scale: 7 }).map_err(SourceError::Other)? {
+            SqlValue::DateTime(t) => t.and_utc(),
+            other => return Err(SourceError::Other(format!("the server's clock read as {other}"))),
+        };
+        Ok(ServerClock { offset_minutes, utc_now })
     }
 
     async fn single_lsn(&self, stmt: &Statement, zero_is_none: bool) -> Result<Option<Lsn>, SourceError> {
@@ -927,9 +1120,34 @@ impl CdcSource for MssqlSource {
         }
     }
 
+    async fn server_local_times(&self, instants: &[DateTime<Utc>]) -> Result<Vec<NaiveDateTime>, SourceError> {
+        if instants.is_empty() {
+            return Ok(vec![]);
+        }
+        let conversion = match self.conversion() {
+            Some(c) => c,
+            None => {
+                self.server_time_zone().await?;
+                self.conversion().ok_or_else(|| SourceError::Other("the server's time conversion was not settled".into()))?
+            }
+        };
+        let rows = self.rows(&sql::local_times(&conversion, instants), Isolation::ReadCommitted).await?;
+        let r = first_row(&rows)?;
+        let mut out = Vec::with_capacity(instants.len());
+        for (i, t) in instants.iter().enumerate() {
+            let d = r.get_column_data(i).map_err(|e| SourceError::Other(e.to_string()))?;
+            match convert::column_value(d, &SqlType::DateTime2 { scale: 7 }).map_err(SourceError::Other)? {
+                SqlValue::DateTime(local) => out.push(local),
+                other => return Err(SourceError::Other(format!("the server's local time of {t} read as {other}"))),
+            }
+        }
+        Ok(out)
+    }
+
     async fn server_time_zone(&self) -> Result<ServerZone, SourceError> {
-        let configured = self.inner.cfg.time_zone.as_deref();
-        let from_server = match self.rows(&sql::server_time_zone(), Isolation::ReadCommitted).await {
+        let rc = Isolation::ReadCommitted;
+        let configured = self.inner.cfg.time_zone.clone();
+        let reported = match self.rows(&sql::server_time_zone(), rc).await {
             Ok(rows) => match rows.first() {
                 Some(r) => convert::row_str(r, 0)?,
                 None => None,
@@ -938,20 +1156,38 @@ impl CdcSource for MssqlSource {
             Err(SourceError::Other(msg)) if msg.contains("error 195") => None,
             Err(e) => return Err(e),
         };
-        if let Some(name) = &from_server {
-            if let Some(z) = resolve_zone(name) {
-                return Ok(z);
+        let clock = self.server_clock().await?;
+        let (zone, conversion) = match plan_zone(reported.as_deref(), configured.as_deref(), &clock)? {
+            ZonePlan::Ready(zone, conversion) => (zone, conversion),
+            ZonePlan::Probe(zone, windows) => {
+                let conversion = match self.rows(&sql::zone_rules_offset(&windows), rc).await {
+                    Ok(rows) => {
+                        let answer = match rows.first() {
+                            Some(r) => Some((
+                                convert::row_str(r, 0)?.unwrap_or_else(|| windows.clone()),
+                                convert::row_i64(r, 1)?.unwrap_or_default(),
+                                convert::row_i64(r, 2)?.unwrap_or_default(),
+                            )),
+                            None => None,
+                        };
+                        settle_probe(configured.as_deref().unwrap_or(windows.as_str()), &windows, answer)?
+                    }
+                    Err(e) if lacks_time_zone_support(&e) => {
+                        tracing::warn!(
+                            zone = %windows,
+                            "this server has no AT TIME ZONE (SQL Server before 2016): times are converted to its clock at its \
+                             current offset, an hour off for a seed start time across a DST change; pass --as-of as an LSN for such a copy"
+                        );
+                        LocalConversion::CurrentOffset
+                    }
+                    Err(e) => return Err(e),
+                };
+                (zone, conversion)
             }
-        }
-        match configured.and_then(resolve_zone) {
-            Some(z) => Ok(z),
-            None => Err(SourceError::Config(match from_server {
-                Some(name) => format!("the server's time zone '{name}' is not one this program can map; set time_zone= in the source URL"),
-                None => "the server does not report its time zone (CURRENT_TIMEZONE_ID needs SQL Server 2022); set time_zone= in the source URL, \
-                         for example time_zone=UTC or time_zone=W.%20Europe%20Standard%20Time"
-                    .into(),
-            })),
-        }
+        };
+        tracing::debug!(zone = %zone.name, ?conversion, "settled the server's time zone");
+        self.set_conversion(conversion);
+        Ok(zone)
     }
 
     async fn row_count(&self, table: &TableName, isolation: Isolation) -> Result<u64, SourceError> {
@@ -994,6 +1230,90 @@ mod tests {
         assert_eq!(resolve_zone("Europe/Lisbon").unwrap().kind, ZoneKind::Named(chrono_tz::Europe::Lisbon));
         assert!(resolve_zone("Mars/Olympus").is_none());
         assert!(resolve_zone("UTC+15:00").is_none());
+    }
+
+    fn clock(offset_minutes: i64, utc: &str) -> ServerClock {
+        ServerClock { offset_minutes, utc_now: utc.parse::<DateTime<Utc>>().unwrap() }
+    }
+
+    /// A configured zone is checked against the offset the server's clock
+    /// runs at (one `SYSDATETIMEOFFSET()` reading), whatever the version.
+    #[test]
+    fn a_configured_zone_must_agree_with_the_servers_clock() {
+        let july = clock(-240, "2026-07-01T12:00:00Z"); // a server in New York, on daylight time
+        // The right zone by its Windows or its IANA name: looked up on the server next.
+        let ny = resolve_zone("Eastern Standard Time").unwrap();
+        assert_eq!(plan_zone(None, Some("Eastern Standard Time"), &july).unwrap(), ZonePlan::Probe(ny, "Eastern Standard Time".into()));
+        match plan_zone(None, Some("America/New_York"), &july).unwrap() {
+            ZonePlan::Probe(_, w) => assert_eq!(w, "Eastern Standard Time"),
+            other => panic!("{other:?}"),
+        }
+        // A fixed offset equal to the clock's: converted at the server's current offset.
+        assert!(matches!(plan_zone(None, Some("UTC-04:00"), &july).unwrap(), ZonePlan::Ready(_, LocalConversion::CurrentOffset)));
+        // Standard time while the clock is on daylight time, another zone, UTC:
+        // refused, naming both offsets and how to find the right name.
+        for wrong in ["UTC-05:00", "Central Standard Time", "UTC"] {
+            let e = plan_zone(None, Some(wrong), &july).unwrap_err();
+            assert!(
+                matches!(&e, SourceError::Config(m) if m.contains(&format!("time_zone={wrong}"))
+                    && m.contains("runs at UTC-04:00")
+                    && m.contains("sys.time_zone_info WHERE current_utc_offset = '-04:00'")),
+                "{wrong}: {e}"
+            );
+        }
+        // A server that names its zone still has a configured zone checked; the fix names the server's zone.
+        let e = plan_zone(Some("Eastern Standard Time"), Some("UTC"), &july).unwrap_err();
+        assert!(matches!(&e, SourceError::Config(m) if m.contains("reports its zone as 'Eastern Standard Time'")), "{e}");
+        // Nothing reported and nothing configured: time_zone= is asked for.
+        let e = plan_zone(None, None, &july).unwrap_err();
+        assert!(matches!(&e, SourceError::Config(m) if m.contains("set time_zone=")), "{e}");
+    }
+
+    /// Every plan leaves the conversion to the server: `AT TIME ZONE` with a
+    /// name the server knows, or the server's own current offset. None uses
+    /// the rules compiled in here, which can differ from the server's.
+    #[test]
+    fn the_server_converts_in_every_plan() {
+        let july = clock(-240, "2026-07-01T12:00:00Z");
+        // SQL Server 2022 names its zone: AT TIME ZONE with that name.
+        match plan_zone(Some("Eastern Standard Time"), None, &july).unwrap() {
+            ZonePlan::Ready(zone, conversion) => {
+                assert_eq!(zone.kind, ZoneKind::Named(chrono_tz::America::New_York));
+                assert_eq!(conversion, LocalConversion::AtTimeZone("Eastern Standard Time".into()));
+            }
+            other => panic!("{other:?}"),
+        }
+        // Azure SQL Database runs in UTC.
+        assert_eq!(
+            plan_zone(Some("UTC"), None, &clock(0, "2026-07-01T12:00:00Z")).unwrap(),
+            ZonePlan::Ready(ServerZone::utc(), LocalConversion::AtTimeZone("UTC".into()))
+        );
+        // A server whose Windows rules kept standard time (the built-in rules
+        // say daylight time): still the server's name and rules, not ours.
+        let stale = clock(-300, "2026-07-01T12:00:00Z");
+        assert!(matches!(
+            plan_zone(Some("Eastern Standard Time"), None, &stale).unwrap(),
+            ZonePlan::Ready(_, LocalConversion::AtTimeZone(n)) if n == "Eastern Standard Time"
+        ));
+
+        // A configured name the server has: its spelling there, its rules.
+        assert_eq!(
+            settle_probe("eastern standard time", "eastern standard time", Some(("Eastern Standard Time".into(), -240, -240))).unwrap(),
+            LocalConversion::AtTimeZone("Eastern Standard Time".into())
+        );
+        // One it lacks, or one its rules put elsewhere than its clock: refused, with the query that lists the right names.
+        let e = settle_probe("Nowhere Standard Time", "Nowhere Standard Time", None).unwrap_err();
+        assert!(matches!(&e, SourceError::Config(m) if m.contains("does not have") && m.contains("sys.time_zone_info")), "{e}");
+        let e = settle_probe("Eastern Standard Time", "Eastern Standard Time", Some(("Eastern Standard Time".into(), -240, -300))).unwrap_err();
+        assert!(
+            matches!(&e, SourceError::Config(m) if m.contains("UTC-04:00") && m.contains("runs at UTC-05:00") && m.contains("current_utc_offset = '-05:00'")),
+            "{e}"
+        );
+        // Before SQL Server 2016 the lookup fails (no AT TIME ZONE, no view): the current offset converts.
+        assert!(lacks_time_zone_support(&classify_server_error(102, "Incorrect syntax near 'AT'.", None)));
+        assert!(lacks_time_zone_support(&classify_server_error(208, "Invalid object name 'sys.time_zone_info'.", None)));
+        assert!(!lacks_time_zone_support(&classify_server_error(229, "The SELECT permission was denied", None)));
+        assert_eq!((hhmm(-240), hhmm(330), hhmm(0)), ("-04:00".to_string(), "+05:30".to_string(), "+00:00".to_string()));
     }
 
     #[test]

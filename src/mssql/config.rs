@@ -61,6 +61,8 @@ pub struct MssqlConfig {
     pub application_name: String,
     /// The server's zone when the server cannot say (before SQL Server 2022):
     /// a Windows or IANA zone name, or a fixed offset such as `UTC+02:00`.
+    /// Checked against the server's current offset when the source opens
+    /// (`MssqlSource::server_time_zone`).
     pub time_zone: Option<String>,
     /// How many idle connections the source keeps for reuse.
     pub pool_size: usize,

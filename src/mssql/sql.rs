@@ -82,7 +82,7 @@
 
 use std::fmt;
 
-use chrono::NaiveDateTime;
+use chrono::{DateTime, FixedOffset, NaiveDateTime, Utc};
 
 use crate::lsn::Lsn;
 use crate::source::{
@@ -665,6 +665,90 @@ pub fn server_time_zone() -> Statement {
     Statement::new("SELECT CURRENT_TIMEZONE_ID() AS zone_id".into(), vec![])
 }
 
+/// How the server turns a UTC instant into its own wall-clock time, the
+/// clock `cdc.lsn_time_mapping` is written in. Either way the server does the
+/// arithmetic: rules compiled into this program can differ from the Windows
+/// rules the server applies, and then a looked-up time lands an hour off.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LocalConversion {
+    /// `AT TIME ZONE` with a Windows zone name as `sys.time_zone_info` spells
+    /// it (SQL Server 2016 and later): the server's rules for that zone, DST
+    /// included, at the instant converted.
+    AtTimeZone(String),
+    /// The offset the server's clock runs at when the statement runs
+    /// (`SYSDATETIMEOFFSET()`): servers without `AT TIME ZONE`, or a zone
+    /// configured as a fixed offset. Right for instants under the same offset
+    /// as now; across a DST change an hour off.
+    CurrentOffset,
+}
+
+/// The server's wall-clock time at each instant, computed by the server (see
+/// [`LocalConversion`]). Each instant is bound as a `datetimeoffset` at
+/// +00:00 and comes back as `datetime2(7)`, its offset dropped: the local
+/// reading, before any `datetime` rounding. Columns: `local_0`, `local_1`, …,
+/// one per instant, in order. `instants` must not be empty.
+pub fn local_times(conversion: &LocalConversion, instants: &[DateTime<Utc>]) -> Statement {
+    let mut p = Params::default();
+    let utc = FixedOffset::east_opt(0).expect("zero offset");
+    match conversion {
+        LocalConversion::AtTimeZone(zone) => {
+            let z = p.bind(SqlValue::Str(zone.clone()));
+            let cols: Vec<String> = instants
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    let at = p.bind(SqlValue::DateTimeOffset(t.with_timezone(&utc)));
+                    format!("CAST(({at} AT TIME ZONE {z}) AS datetime2(7)) AS local_{i}")
+                })
+                .collect();
+            Statement::new(format!("SELECT {}", cols.join(", ")), p.0)
+        }
+        LocalConversion::CurrentOffset => {
+            let cols: Vec<String> = instants
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    let at = p.bind(SqlValue::DateTimeOffset(t.with_timezone(&utc)));
+                    format!("CAST(SWITCHOFFSET({at}, c.offset_minutes) AS datetime2(7)) AS local_{i}")
+                })
+                .collect();
+            Statement::new(
+                format!("SELECT {} FROM (SELECT DATEPART(TZOFFSET, SYSDATETIMEOFFSET()) AS offset_minutes) AS c", cols.join(", ")),
+                p.0,
+            )
+        }
+    }
+}
+
+/// The offset the server's clock runs at now, in minutes east of UTC, and the
+/// UTC instant it was read at (both from one `SYSDATETIMEOFFSET()` reading),
+/// to check a configured zone against. Columns: offset_minutes, utc_now
+/// (datetime2(7)). Every version CDC runs on has both functions.
+pub fn server_clock() -> Statement {
+    Statement::new(
+        "SELECT DATEPART(TZOFFSET, c.server_now) AS offset_minutes, CAST(SWITCHOFFSET(c.server_now, '+00:00') AS datetime2(7)) AS utc_now \
+         FROM (SELECT SYSDATETIMEOFFSET() AS server_now) AS c"
+            .into(),
+        vec![],
+    )
+}
+
+/// A Windows zone name as the server knows it (`sys.time_zone_info`, SQL
+/// Server 2016 and later): its spelling there, the offset the server's own
+/// rules give that zone now, and the offset the server's clock runs at now,
+/// from one reading. No row when the server has no zone of that name; older
+/// servers fail the statement (no `AT TIME ZONE`, no view). Columns: name,
+/// zone_offset_minutes, server_offset_minutes.
+pub fn zone_rules_offset(windows_name: &str) -> Statement {
+    Statement::new(
+        "SELECT z.name, DATEPART(TZOFFSET, c.server_now AT TIME ZONE z.name) AS zone_offset_minutes, \
+         DATEPART(TZOFFSET, c.server_now) AS server_offset_minutes \
+         FROM (SELECT SYSDATETIMEOFFSET() AS server_now) AS c CROSS JOIN sys.time_zone_info AS z WHERE z.name = @P1"
+            .into(),
+        vec![SqlValue::Str(windows_name.to_string())],
+    )
+}
+
 /// Sent with `simple_query` on the connection before a read, and back after.
 pub fn set_isolation(level: crate::source::Isolation) -> &'static str {
     match level {
@@ -765,6 +849,43 @@ mod tests {
             golden(name, &time_to_lsn(op, t));
         }
         golden("server_time_zone", &server_time_zone());
+    }
+
+    /// The seed's time-to-LSN lookup needs the server's wall clock at the
+    /// copy's start; the server computes it. What goes out is the instant at
+    /// +00:00 and the zone's name (or nothing but the instant, for the
+    /// server's current offset), never a local time worked out here: a
+    /// statement that carried one would be the client-side conversion back.
+    #[test]
+    fn local_times_are_converted_on_the_server() {
+        use chrono::TimeZone;
+        let first = Utc.with_ymd_and_hms(2026, 11, 1, 5, 30, 0).unwrap();
+        let instants = [first, first + chrono::Duration::hours(1)];
+        let named = local_times(&LocalConversion::AtTimeZone("Eastern Standard Time".into()), &instants);
+        golden("local_times_named", &named);
+        golden("local_times_utc", &local_times(&LocalConversion::AtTimeZone("UTC".into()), &instants[..1]));
+        let fixed = local_times(&LocalConversion::CurrentOffset, &instants);
+        golden("local_times_fixed_offset", &fixed);
+        golden("server_clock", &server_clock());
+        golden("zone_rules_offset", &zone_rules_offset("Eastern Standard Time"));
+
+        assert!(named.sql.contains("AT TIME ZONE @P1"), "{}", named.sql);
+        assert_eq!(named.params[0], SqlValue::Str("Eastern Standard Time".into()));
+        assert!(fixed.sql.contains("DATEPART(TZOFFSET, SYSDATETIMEOFFSET())"), "{}", fixed.sql);
+        for (st, first_instant) in [(&named, 1), (&fixed, 0)] {
+            let sent: Vec<&SqlValue> = st.params[first_instant..].iter().collect();
+            assert_eq!(sent.len(), instants.len());
+            for (p, t) in sent.into_iter().zip(instants) {
+                match p {
+                    SqlValue::DateTimeOffset(v) => {
+                        assert_eq!(v.offset().local_minus_utc(), 0, "an instant goes out at +00:00: {v}");
+                        assert_eq!(v.with_timezone(&Utc), t);
+                    }
+                    other => panic!("an instant must be bound as datetimeoffset, not {other:?}"),
+                }
+            }
+            assert!(!st.params.iter().any(|p| matches!(p, SqlValue::DateTime(_))), "no local time is sent: {st}");
+        }
     }
 
     #[test]

@@ -158,6 +158,15 @@ pub fn windows_to_iana(windows_name: &str) -> Option<&'static str> {
     WINDOWS_TO_IANA.iter().find(|(w, _)| w.eq_ignore_ascii_case(n)).map(|(_, i)| *i)
 }
 
+/// A Windows name for an IANA zone (its exact IANA spelling), the first the
+/// table pairs with it; None for a zone no "001" row names. The client uses it
+/// to ask the server for the server's own rules of a zone configured by its
+/// IANA name.
+pub fn iana_to_windows(iana_name: &str) -> Option<&'static str> {
+    let n = iana_name.trim();
+    WINDOWS_TO_IANA.iter().find(|(_, i)| *i == n).map(|(w, _)| *w)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,5 +188,13 @@ mod tests {
         assert_eq!(windows_to_iana("E. South America Standard Time"), Some("America/Sao_Paulo"));
         assert_eq!(windows_to_iana("w. europe standard time"), Some("Europe/Berlin"));
         assert_eq!(windows_to_iana("Nowhere Standard Time"), None);
+    }
+
+    #[test]
+    fn iana_names_lead_back_to_a_windows_name() {
+        assert_eq!(iana_to_windows("Europe/Berlin"), Some("W. Europe Standard Time"));
+        assert_eq!(iana_to_windows("America/New_York"), Some("Eastern Standard Time"));
+        // Only the "001" rows are kept: Lisbon shares London's Windows zone but is not named.
+        assert_eq!(iana_to_windows("Europe/Lisbon"), None);
     }
 }

@@ -306,6 +306,7 @@ pub fn run(cmd: SimCommand) -> Result<serde_json::Value> {
                     None => Clock::Wall,
                 },
                 time_zone: a.time_zone.clone(),
+                zone_rules: None,
                 capture_lag_ms: a.capture_lag_ms,
                 retention_minutes: a.retention_minutes,
                 allow_snapshot_isolation: a.allow_snapshot_isolation,

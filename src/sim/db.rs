@@ -117,6 +117,13 @@ pub struct SimConfig {
     pub clock: Clock,
     /// The server's zone: an IANA name (`America/Sao_Paulo`), `UTC`, or a fixed offset (`UTC-03:00`).
     pub time_zone: String,
+    /// The rules the server's clock actually follows, when they are not what
+    /// `time_zone` means in the IANA database (a Windows server without a
+    /// time-zone update still applying an abolished DST, say): an IANA name or
+    /// a fixed offset. The server still reports `time_zone` as its zone; its
+    /// commit times and its own conversions (`server_local_times`) follow
+    /// these rules. None: `time_zone`'s.
+    pub zone_rules: Option<String>,
     /// How long after its commit a transaction becomes visible to the capture job.
     pub capture_lag_ms: u64,
     /// Cleanup's default retention, in minutes (SQL Server's default is 4320).
@@ -141,6 +148,7 @@ impl Default for SimConfig {
         SimConfig {
             clock: Clock::Wall,
             time_zone: "UTC".into(),
+            zone_rules: None,
             capture_lag_ms: 0,
             retention_minutes: 4320,
             allow_snapshot_isolation: false,
@@ -154,9 +162,27 @@ impl Default for SimConfig {
 }
 
 impl SimConfig {
-    /// The server zone the configuration names.
+    /// The server zone the configuration names (what the server reports).
     pub fn zone(&self) -> Result<ServerZone> {
         parse_zone(&self.time_zone)
+    }
+
+    /// The rules the server's clock runs on: `zone_rules` when set, else the zone's own.
+    pub fn clock_zone(&self) -> Result<ServerZone> {
+        match &self.zone_rules {
+            Some(rules) => parse_zone(rules),
+            None => self.zone(),
+        }
+    }
+}
+
+/// The simulated server's wall-clock reading of an instant under `rules`: its
+/// own conversion, as SQL Server's `AT TIME ZONE` is its own. The engine never
+/// applies these rules to a time it looks up; it asks the source.
+pub(crate) fn wall_clock(rules: &ServerZone, t: DateTime<Utc>) -> NaiveDateTime {
+    match &rules.kind {
+        ZoneKind::Named(tz) => t.with_timezone(tz).naive_local(),
+        ZoneKind::Fixed(secs) => t.naive_utc() + chrono::Duration::seconds(*secs as i64),
     }
 }
 
@@ -499,7 +525,7 @@ fn utc_of_us(us: i64) -> DateTime<Utc> {
 }
 
 pub(crate) fn local_ticks(zone: &ServerZone, us: i64) -> i64 {
-    to_ticks(zone.to_local(utc_of_us(us)))
+    to_ticks(wall_clock(zone, utc_of_us(us)))
 }
 
 pub(crate) fn load_tables(conn: &Connection, path: &Path) -> Result<Vec<TableMeta>> {
@@ -1063,7 +1089,8 @@ pub(crate) fn capture_if_due(conn: &mut Connection, path: &Path) -> Result<Optio
 pub(crate) fn capture_conn(conn: &mut Connection, path: &Path) -> Result<CaptureReport> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).ctx(path)?;
     let cfg = load_config(&tx, path)?;
-    let zone = cfg.zone()?;
+    // Commit times are the server's wall clock: its rules, whatever zone it reports.
+    let zone = cfg.clock_zone()?;
     let now = now_us(&tx, path, &cfg)?;
     let cutoff = now - (cfg.capture_lag_ms as i64) * 1000;
     let tables: HashMap<i64, TableMeta> = load_tables(&tx, path)?.into_iter().map(|t| (t.id, t)).collect();
@@ -1323,6 +1350,7 @@ impl SimDb {
     /// Creates a new simulator file, replacing an existing one when `overwrite`.
     pub fn create_with(path: &Path, cfg: SimConfig, overwrite: bool) -> Result<SimDb> {
         cfg.zone()?;
+        cfg.clock_zone()?;
         if path.exists() {
             if !overwrite {
                 return Err(SimError::Exists(path.to_path_buf()));
@@ -1387,6 +1415,7 @@ impl SimDb {
 
     pub fn set_config(&self, cfg: SimConfig) -> Result<()> {
         cfg.zone()?;
+        cfg.clock_zone()?;
         self.write(|c, p| {
             let old = load_config(c, p)?;
             if let Clock::Manual { start, .. } = cfg.clock {
@@ -1581,8 +1610,39 @@ impl SimDb {
     /// `<schema>_<table>`) capturing `captured_columns` (default all), with its
     /// start LSN a fresh LSN above every LSN so far.
     pub fn enable_cdc(&self, table: &TableName, capture_instance: Option<&str>, captured_columns: Option<Vec<String>>) -> Result<CaptureInstance> {
+        self.enable_cdc_on_index(table, capture_instance, captured_columns, None)
+    }
+
+    /// `sys.sp_cdc_enable_table` with `@index_name`: the instance's row
+    /// identity (`index_column_list`) is the named unique index instead of the
+    /// primary key. The table's indexes are its primary key and its one
+    /// unique index, so `index` must name the columns of either, in order
+    /// (SQL Server raises error 22957 for an index that is not unique).
+    pub fn enable_cdc_on_index(
+        &self,
+        table: &TableName,
+        capture_instance: Option<&str>,
+        captured_columns: Option<Vec<String>>,
+        index: Option<&[String]>,
+    ) -> Result<CaptureInstance> {
         self.write(|c, p| {
             let t = find_table(c, p, table)?;
+            let index_columns = match index {
+                None => t.unique_key(),
+                Some(names) => {
+                    let same = |cols: &[String]| cols.len() == names.len() && cols.iter().zip(names).all(|(a, b)| a.eq_ignore_ascii_case(b));
+                    if !names.is_empty() && (same(&t.spec.primary_key) || same(&t.spec.unique_index)) {
+                        names.iter().map(|n| t.spec.columns.iter().find(|c| c.name.eq_ignore_ascii_case(n)).expect("named by an index").name.clone()).collect()
+                    } else {
+                        return Err(SimError::BadArgument(format!(
+                            "@index_name must name a unique index of {}: its primary key ({}) or its unique index ({})",
+                            t.spec.name,
+                            t.spec.primary_key.join(", "),
+                            t.spec.unique_index.join(", ")
+                        )));
+                    }
+                }
+            };
             let name = capture_instance.map(str::to_string).unwrap_or_else(|| format!("{}_{}", t.spec.name.schema, t.spec.name.name));
             if name.is_empty() || name.len() > 100 {
                 return Err(SimError::BadArgument(format!("capture instance name '{name}' must have 1 to 100 characters")));
@@ -1598,14 +1658,14 @@ impl SimDb {
                 Some(names) => {
                     let idx = resolve_cols(&t.spec, &names)?;
                     let mut idx: Vec<usize> = idx;
-                    idx.extend(t.key_cols.iter().copied());
+                    idx.extend(resolve_cols(&t.spec, &index_columns)?);
                     idx.sort_unstable();
                     idx.dedup();
                     idx.into_iter().map(|i| t.spec.columns[i].clone()).collect()
                 }
             };
             let lsn = Lsn::from_u128(alloc_lsns(c, p, 1)?);
-            let info = CaptureInstance { name: name.clone(), table: t.spec.name.clone(), start_lsn: Some(lsn), columns, index_columns: t.unique_key() };
+            let info = CaptureInstance { name: name.clone(), table: t.spec.name.clone(), start_lsn: Some(lsn), columns, index_columns };
             c.execute(
                 "INSERT INTO instances(name, table_id, start_lsn, created_lsn, columns, index_columns) VALUES (?1, ?2, ?3, ?3, ?4, ?5)",
                 params![
@@ -1894,7 +1954,7 @@ impl SimDb {
         Ok(serde_json::json!({
             "url": self.url(),
             "clock_utc": utc_of_us(now).to_rfc3339(),
-            "clock_server_local": zone.to_local(utc_of_us(now)).to_string(),
+            "clock_server_local": wall_clock(&cfg.clock_zone()?, utc_of_us(now)).to_string(),
             "time_zone": zone.name,
             "max_lsn": max_lsn(&c, p)?,
             "pending_transactions": pending,

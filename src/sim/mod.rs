@@ -17,7 +17,10 @@
 //!   with their own seqvals, logged inserts first (the KB3030352 symptom)
 //!   while `__$command_id` numbers the deletes first. Mapping times are
 //!   server-local `datetime` values (the configured zone, DST included, on the
-//!   1/300 s grid).
+//!   1/300 s grid; `zone_rules` gives the clock other rules than the zone it
+//!   reports, as a Windows server without a time-zone update has). The
+//!   simulator converts instants to that clock itself, as `AT TIME ZONE` does
+//!   on a server (`CdcSource::server_local_times`).
 //! - **Cleanup** ([`SimDb::cleanup`]) moves each instance's validity start up
 //!   to the retention watermark and purges change and mapping rows below it.
 //! - **Reads** go through [`SimSource`], the [`crate::source::CdcSource`]

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use chrono::NaiveDateTime;
+use chrono::{DateTime, NaiveDateTime, Utc};
 use deltalake::arrow::record_batch::RecordBatch;
 use futures::StreamExt;
 use rusqlite::{params, Connection, OptionalExtension};
@@ -884,6 +884,18 @@ impl CdcSource for SimSource {
 
     async fn server_time_zone(&self) -> Result<ServerZone, SourceError> {
         self.call(|_, p, cfg| cfg.zone().map_err(|e| map_err(p, e))).await
+    }
+
+    /// The simulated server converts with its own clock's rules (`zone_rules`,
+    /// else its zone), as SQL Server's `AT TIME ZONE` applies its Windows
+    /// rules: which may not be what the zone it reports means elsewhere.
+    async fn server_local_times(&self, instants: &[DateTime<Utc>]) -> Result<Vec<NaiveDateTime>, SourceError> {
+        let instants = instants.to_vec();
+        self.call(move |_, p, cfg| {
+            let rules = cfg.clock_zone().map_err(|e| map_err(p, e))?;
+            Ok(instants.iter().map(|t| db::wall_clock(&rules, *t)).collect())
+        })
+        .await
     }
 
     async fn row_count(&self, table: &TableName, isolation: Isolation) -> Result<u64, SourceError> {

@@ -283,6 +283,31 @@ async fn local_times_go_back_at_the_fall_back_while_lsns_rise() {
     assert_eq!(db::parse_zone("UTC-03:00").unwrap().kind, ZoneKind::Fixed(-3 * 3600));
 }
 
+/// The simulated server converts instants to its wall clock itself, under
+/// the rules its clock runs on: the zone's, or `zone_rules` for a server
+/// whose rules are not what its zone's name means in the IANA database.
+#[tokio::test]
+async fn the_server_converts_times_with_its_own_rules() {
+    let mut cfg = manual("2026-07-01T12:00:00Z", 0);
+    cfg.time_zone = "America/New_York".into();
+    let (_d, db, src, _ci) = setup(cfg, 0);
+    let july = "2026-07-01T16:00:00Z".parse::<DateTime<Utc>>().unwrap();
+    let january = "2026-01-15T16:00:00Z".parse::<DateTime<Utc>>().unwrap();
+    let local = |s: &str| NaiveDateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S").unwrap();
+    // The zone's rules: daylight time in July, standard time in January.
+    assert_eq!(src.server_local_times(&[july, january]).await.unwrap(), vec![local("2026-07-01 12:00:00"), local("2026-01-15 11:00:00")]);
+    assert!(src.server_local_times(&[]).await.unwrap().is_empty());
+    // A server whose rules kept standard time all year: it reports the same
+    // zone, but converts, and stamps its commits, at UTC-05:00.
+    db.set_config_value("zone_rules", "UTC-05:00").unwrap();
+    assert_eq!(src.server_time_zone().await.unwrap().kind, ZoneKind::Named(chrono_tz::America::New_York));
+    assert_eq!(src.server_local_times(&[july, january]).await.unwrap(), vec![local("2026-07-01 11:00:00"), local("2026-01-15 11:00:00")]);
+    let l = db.transaction(|tx| tx.insert(&orders(), order(1, "new"))).unwrap();
+    db.capture().unwrap();
+    assert_eq!(src.lsn_to_time(l).await.unwrap(), Some(local("2026-07-01 07:00:00")));
+    assert!(db.set_config_value("zone_rules", "Mars/Olympus").is_err());
+}
+
 #[tokio::test]
 async fn snapshot_isolation_needs_the_database_option() {
     let mut cfg = manual("2026-03-01T12:00:00Z", 10);

@@ -421,8 +421,29 @@ pub trait CdcSource: Send + Sync {
     /// for it (never captured, or removed by cleanup).
     async fn lsn_to_time(&self, lsn: Lsn) -> Result<Option<NaiveDateTime>, SourceError>;
 
-    /// The zone of the server's clock.
+    /// The zone of the server's clock. A source that is told the zone (SQL
+    /// Server before 2022) checks it against the offset the server's clock
+    /// runs at now and refuses one that disagrees (a configuration error).
     async fn server_time_zone(&self) -> Result<ServerZone, SourceError>;
+
+    /// The server's wall-clock time at each instant (one answer per instant,
+    /// in order, at `datetime2` precision, before any `datetime` rounding),
+    /// computed by the server under its own zone rules: SQL Server converts
+    /// with `AT TIME ZONE`, or at its current offset where it has no zone
+    /// names. `cdc.lsn_time_mapping` is written in this clock, so a time
+    /// looked up there ([`CdcSource::time_to_lsn`]) comes from here, never
+    /// from the rules compiled into this program, which can differ from the
+    /// server's and then map an hour late.
+    ///
+    /// The default answers that the source cannot: a wrapper that forwards
+    /// every read must forward this one too.
+    async fn server_local_times(&self, instants: &[DateTime<Utc>]) -> Result<Vec<NaiveDateTime>, SourceError> {
+        let _ = instants;
+        Err(SourceError::Config(format!(
+            "{} does not convert times to the server's clock, so a time cannot be mapped to an LSN; pass an LSN instead",
+            self.describe()
+        )))
+    }
 
     /// Reconcile's tier 1 for a key that is not one integer or date column
     /// (adr-0028): the table's row count, `COUNT_BIG(*)` on the server, so
