@@ -190,7 +190,8 @@ impl Harness {
     pub async fn verify(&self) -> StepResult<rebuild::Comparison> {
         let mut ctx = Context::open(self.workflow()?).await?;
         let st = engine::state::load(&mut ctx).await?;
-        let keys = ctx.snapshot_keys();
+        // Rows are told apart by the unique index, as silver's are (snapshot.keys only cut chunks).
+        let keys = if ctx.instance.index_columns.is_empty() { ctx.snapshot_keys() } else { ctx.instance.index_columns.clone() };
         let image = rebuild::rebuild(&ctx.bronze, &ctx.instance.columns, &keys, st.snapshot).await?;
         rebuild::compare_with_source(ctx.source.as_ref(), &self.table, &ctx.instance.columns, &keys, &image).await
     }

@@ -15,5 +15,6 @@ pub mod mssql;
 pub mod seed_copy;
 pub mod sim;
 pub mod source;
+pub mod torture;
 pub mod types;
 pub mod workflow;

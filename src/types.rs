@@ -188,6 +188,22 @@ impl SqlType {
         matches!(self, SqlType::TinyInt | SqlType::SmallInt | SqlType::Int | SqlType::BigInt)
     }
 
+    /// Why two values of this type can compare equal on the server while
+    /// their bytes differ, if they can. An update from one such spelling to
+    /// another is an update of the same key to SQL Server (logged as 3 and
+    /// 4, not as a delete and an insert), so without the before-image the
+    /// spelling silver holds is named nowhere. `binary(n)` and `char(n)` pad
+    /// every value to n, so only their case or accents can differ (char is a
+    /// string anyway).
+    pub fn equal_respellings(&self) -> Option<&'static str> {
+        match self {
+            t if t.is_string() => Some("its collation equates spellings (case, accents, width, trailing spaces)"),
+            SqlType::VarBinary { .. } => Some("varbinary values that differ in trailing zero bytes compare equal"),
+            SqlType::Float | SqlType::Real => Some("a float 0 and -0 compare equal"),
+            _ => None,
+        }
+    }
+
     /// Why a value of this type does not come back equal from a Delta
     /// column, if it does not: `datetime2(7)` and `datetimeoffset(7)` count
     /// 100 ns ticks, and Delta's timestamps hold microseconds, so two values

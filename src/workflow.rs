@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{StepError, StepResult};
-use crate::source::{Isolation, RowFilter, TableName};
+use crate::source::{Isolation, TableName};
 
 /// A parsed, validated workflow file.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -94,7 +94,9 @@ pub struct StreamOptions {
     pub max_batch_rows: usize,
     /// The most micro-batches one `stream` call commits.
     pub max_batches: u32,
-    /// `all` (updates as after-images) or `all update old` (before-images too).
+    /// `auto` (the default), `all` (updates as after-images) or `all update
+    /// old` (before-images too). `auto` reads before-images when silver needs
+    /// them to find a row's old form (see [`RowFilterOption::Auto`]).
     pub row_filter: RowFilterOption,
     /// Where a stream without a bootstrap starts: `earliest`, `latest` or an LSN.
     pub start: String,
@@ -114,7 +116,7 @@ impl Default for StreamOptions {
         StreamOptions {
             max_batch_rows: 100_000,
             max_batches: 1_000,
-            row_filter: RowFilterOption::All,
+            row_filter: RowFilterOption::Auto,
             start: "earliest".into(),
             on_data_loss: OnDataLoss::Fail,
             resnapshot_interval_days: 7.0,
@@ -136,19 +138,21 @@ pub enum OnDataLoss {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RowFilterOption {
+    /// `all update old` when silver cannot do without the updates'
+    /// before-images, `all` otherwise (`engine::Context::row_filter`): a
+    /// table without a unique index (silver takes an updated row's old
+    /// values out of a multiset), or a unique index with a column whose equal
+    /// values can be spelled differently (a string under its collation, a
+    /// varbinary with trailing zero bytes, a float zero's sign). SQL Server
+    /// logs an update that only respells such a key as an update of the same
+    /// key (3 and 4), so only the before-image names the old spelling silver
+    /// holds.
+    #[serde(rename = "auto")]
+    Auto,
     #[serde(rename = "all")]
     All,
     #[serde(rename = "all update old")]
     AllUpdateOld,
-}
-
-impl From<RowFilterOption> for RowFilter {
-    fn from(o: RowFilterOption) -> RowFilter {
-        match o {
-            RowFilterOption::All => RowFilter::All,
-            RowFilterOption::AllUpdateOld => RowFilter::AllUpdateOld,
-        }
-    }
 }
 
 /// Options of snapshots (bootstrap and, later, re-snapshots).
@@ -676,5 +680,24 @@ mode = "full"
         }
         let e = Workflow::parse("app_id = ", Path::new("wf.toml")).unwrap_err();
         assert!(e.to_string().contains("wf.toml"));
+    }
+
+    #[test]
+    fn a_workflow_without_target_facts_is_refused_naming_it() {
+        // 28.22, 18.22: chunked snapshots and re-snapshot recovery keep their state in the facts table. Catches
+        // `target.facts` given a default or made optional (the workflow would parse and write its state nowhere
+        // the next call reads).
+        let no_facts = GOOD.replace("facts = \"facts\"\n", "");
+        assert_ne!(no_facts, GOOD, "the fixture names target.facts");
+        let chunked = no_facts.replace("mode = \"full\"", "mode = \"chunked\"");
+        let resnapshot = format!("{no_facts}[stream]\non_data_loss = \"resnapshot\"\n");
+        for text in [&chunked, &resnapshot] {
+            let e = Workflow::parse(text, Path::new("wf.toml")).unwrap_err();
+            assert!(matches!(e, StepError::Config(_)), "{e}");
+            assert!(e.to_string().contains("missing field `facts`") && e.to_string().contains("wf.toml"), "{e}");
+            // The same file with target.facts parses.
+            let with = text.replace("bronze = \"bronze\"\n", "bronze = \"bronze\"\nfacts = \"facts\"\n");
+            Workflow::parse(&with, Path::new("wf.toml")).unwrap();
+        }
     }
 }

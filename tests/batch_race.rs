@@ -180,7 +180,7 @@ fn source_changes(rt: &tokio::runtime::Runtime, s: &Scenario, after: Lsn) -> BTr
         let schema = ctx.bronze_schema().unwrap();
         let max = ctx.source.max_lsn().await.unwrap().unwrap();
         let mut stream =
-            ctx.source.changes(&ctx.instance, after.increment(), max, ctx.workflow.stream.row_filter.into(), 1000).await.unwrap();
+            ctx.source.changes(&ctx.instance, after.increment(), max, ctx.row_filter(), 1000).await.unwrap();
         let mut batches = Vec::new();
         while let Some(b) = stream.next().await {
             let b = b.unwrap();

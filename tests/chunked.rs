@@ -97,6 +97,20 @@ async fn chunked_bootstrap_beside_the_stream_with_changes_between_waves() {
     };
     assert_eq!(dup, 0, "a row read by two chunks");
     assert_facts_hold_no_key_values(&s).await;
+    // Each chunk's facts row says how long its read took and how many bytes
+    // it read: more bytes for a chunk of more rows, none for an empty one.
+    {
+        let ctx = s.context().await.unwrap();
+        let facts = mssql_cdc::engine::state::facts_rows(&ctx.facts, "items").await.unwrap();
+        let chunks: Vec<_> = facts.iter().filter(|r| r.event.as_deref() == Some("snapshot_chunk")).collect();
+        for r in &chunks {
+            let d = r.detail.clone().unwrap();
+            let bytes = d["read_bytes"].as_i64().unwrap_or_else(|| panic!("chunk facts row without read_bytes: {d}"));
+            assert!(r.duration_ms.is_some(), "chunk facts row without its read time: {d}");
+            let rows = r.rows.unwrap();
+            assert!(if rows > 0 { bytes >= rows * 8 } else { bytes == 0 }, "chunk of {rows} rows read {bytes} bytes: {d}");
+        }
+    }
     let prs = plan_rows(&s).await;
     assert_eq!(prs.iter().filter(|r| r.event == "snapshot_open").count(), 1);
     assert_eq!(prs.iter().filter(|r| r.event == "snapshot_plan").count(), 1);

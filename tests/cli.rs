@@ -216,3 +216,26 @@ fn backfill_through_the_cli_until_done_and_its_bad_flags() {
     assert_eq!(out.status.code(), Some(75), "{}", last_json(&out));
     assert_eq!(last_json(&out)["paused"], true);
 }
+
+#[test]
+fn a_refusal_names_the_workflow_file_in_the_command_it_advises() {
+    // A full bootstrap killed after its open row holds the mode; a chunked
+    // backfill is then refused, advising the `snapshot` call that finishes
+    // the open: with this workflow's own path, not a placeholder.
+    let mut s = Scenario::new(5, "[snapshot]\nbootstrap = true\n");
+    let wf = s.wf_path.to_str().unwrap().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_mssql-cdc"))
+        .args(["--workflow", &wf, "snapshot"])
+        .env("MSSQL_CDC_LOG", "warn")
+        .env("MSSQL_CDC_FAILPOINTS", "snapshot.after_open=return")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(75), "{}", String::from_utf8_lossy(&out.stdout));
+    s.write_workflow("[snapshot]\nbootstrap = true\nmode = \"chunked\"\n");
+    let out = run(&["--workflow", &wf, "backfill"]);
+    let j = last_json(&out);
+    assert_eq!(out.status.code(), Some(2), "{j}");
+    let msg = j["error"].as_str().unwrap();
+    assert!(msg.contains(&format!("mssql-cdc --workflow {wf} snapshot")), "the advice names this workflow file: {msg}");
+    assert!(!msg.contains("--workflow FILE"), "{msg}");
+}

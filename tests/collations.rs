@@ -16,7 +16,8 @@
 //! - The same on a varbinary column whose MAX has copies with trailing 0x00.
 //! - A case-sensitive primary key (`Latin1_General_CS_AS`) with keys that
 //!   differ only in case: distinct rows, in silver and in reconcile.
-//! - A case-insensitive key updated in place to another case.
+//! - A case-insensitive key updated in place to another case, read with
+//!   before-images by default; with `row_filter = "all"` apply refuses.
 //! - A heap chunked on a string column: `apply` refuses before writing.
 
 mod common;
@@ -126,9 +127,10 @@ async fn chunked_on_a_non_unique_column(name: &str, code_type: SqlType, codes: V
     let source = source_rows(&case.db, &case.table, &columns).await;
     let snapshot_rows = delta_rows(&case.location("bronze"), &columns, "_operation = 0").await;
     assert_eq!(snapshot_rows, source, "the snapshot's rows in bronze (left) differ from the simulator's table (right)");
-    // Silver is not checked here: with `snapshot.keys` naming a column that
-    // is not unique, silver is keyed on it today and keeps one row per value
-    // (a known loss, left open in issue 17; heaps are handled apart).
+    // Silver is keyed on the primary key, not on the repeated chunk column:
+    // one silver row per source row.
+    case.ok(&["apply"]);
+    case.assert_silver_is_the_table("after the chunked snapshot").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -182,15 +184,9 @@ async fn a_case_insensitive_key_updated_to_another_case() {
     let columns = vec![ColumnDesc::new("code", SqlType::VarChar { len: Some(10) }, false), ColumnDesc::new("v", SqlType::Int, true)];
     let row = |c: &str, v: i64| vec![SqlValue::Str(c.into()), SqlValue::Int(v)];
     let rows = vec![row("abc", 1), row("def", 2), row("ghi", 3)];
-    // Read with before-images: the update's old spelling is only in its
-    // before-image. (With row_filter = "all" silver keeps the old spelling
-    // beside the new one: a known gap, see docs/sqlserver.md.)
-    let case = Case::new(
-        "names",
-        spec("names", columns, &["code"], &[]),
-        rows,
-        "[snapshot]\nbootstrap = true\n[stream]\nrow_filter = \"all update old\"\n[reconcile]\nsample_fraction = 1.0\n",
-    );
+    // The default row filter (`auto`) reads before-images for a string key:
+    // the update's old spelling is only in its before-image.
+    let case = Case::new("names", spec("names", columns, &["code"], &[]), rows, "[snapshot]\nbootstrap = true\n[reconcile]\nsample_fraction = 1.0\n");
     case.ok(&["stream"]);
     case.ok(&["apply"]);
     // The same key under the collation, spelled otherwise: an update in place.
@@ -203,6 +199,18 @@ async fn a_case_insensitive_key_updated_to_another_case() {
     case.assert_silver_is_the_table("after keys were updated to other spellings").await;
     let r = case.ok(&["reconcile"]);
     assert_eq!(r["differences"], 0, "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_string_key_streamed_without_before_images_is_refused_by_apply() {
+    let columns = vec![ColumnDesc::new("code", SqlType::VarChar { len: Some(10) }, false), ColumnDesc::new("v", SqlType::Int, true)];
+    let rows = vec![vec![SqlValue::Str("abc".into()), SqlValue::Int(1)]];
+    let case = Case::new("plain", spec("plain", columns, &["code"], &[]), rows, "[snapshot]\nbootstrap = true\n[stream]\nrow_filter = \"all\"\n");
+    case.ok(&["stream"]);
+    let (code, json, err) = run_cli(&case.wf_path, &["apply"]);
+    assert_eq!(code, Some(2), "{json}\n{err}");
+    assert!(err.contains("stream.row_filter") && err.contains("all update old") && err.contains("'code'"), "names the option and the key: {err}");
+    assert!(!std::path::Path::new(&case.location("silver")).join("_delta_log").exists(), "nothing was written to silver");
 }
 
 #[tokio::test(flavor = "multi_thread")]

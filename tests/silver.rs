@@ -252,6 +252,18 @@ async fn chunked_bootstrap_waves_are_applied_as_they_arrive() {
     let rc = reconcile(&s).await.unwrap();
     assert!(!rc.clean && rc.counts["CHUNK_TILING"] >= 1, "{rc:#?}");
     assert!(rc.samples.iter().any(|d| d["class"] == "CHUNK_TILING" && d["chunk"] == 1), "{:?}", rc.samples);
+    // A chunk the facts record whose plans row is gone: reconcile names the
+    // plans table and stops (28.111), rather than checking the others only.
+    let t = delta::open_existing(&plans_loc, &Default::default()).await.unwrap().unwrap();
+    t.delete().with_predicate("event = 'snapshot_chunk' AND chunk = 2").await.unwrap();
+    let e = reconcile(&s).await.unwrap_err();
+    assert_eq!(e.exit_code(), 3, "{e}");
+    assert!(e.to_string().contains("plans table") && e.to_string().contains("chunk 2"), "{e}");
+    // The whole plans table gone: the same.
+    std::fs::remove_dir_all(&plans_loc).unwrap();
+    let e = reconcile(&s).await.unwrap_err();
+    assert_eq!(e.exit_code(), 3, "{e}");
+    assert!(e.to_string().contains("no such table"), "{e}");
 }
 
 /// A silver built before a loss, then a chunked re-snapshot (generation 1)
@@ -330,7 +342,9 @@ async fn no_range_deletes_on_a_composite_key_the_rebuild_removes_them() {
     assert_eq!(silver_ids(&s).await, source_ids(&s).await, "the rebuild deletes by absence");
     let rc = reconcile(&s).await.unwrap();
     assert_clean(&rc);
-    assert_eq!(rc.tier1, "count");
+    // Silver is keyed on the unique index (`id`), whatever snapshot.keys cut
+    // the chunks on, so reconcile buckets that one integer key.
+    assert_eq!(rc.tier1, "buckets");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -424,11 +438,15 @@ fn cli_apply_killed_between_its_commits_then_reconcile_exit_codes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_null_keys_change_is_in_flight_and_its_real_difference_is_named_null() {
+async fn a_change_on_a_null_chunk_key_is_in_flight_and_its_difference_is_named_by_the_unique_index() {
     let _fp = fail::FailScenario::setup();
-    // Keys may name a nullable column (CDC only refuses a unique index over one):
-    // `name` is NULL for id 7 only here.
-    let s = Scenario::new(6, "silver = \"silver\"\n[snapshot]\nbootstrap = true\nkeys = [\"name\"]\n");
+    // snapshot.keys may name a nullable column: `name` is NULL for id 7 only
+    // here. It only cuts snapshot ranges; silver and reconcile name rows by
+    // the unique index (`id`). Silver keyed on a nullable unique index is
+    // tests/silver_keys.rs.
+    // Every bucket compared row by row: with one integer key, tier 1 counts
+    // and sums keys only, and a changed value is seen by tier 2's sample.
+    let s = Scenario::new(6, "silver = \"silver\"\n[snapshot]\nbootstrap = true\nkeys = [\"name\"]\n[reconcile]\nsample_fraction = 1.0\n");
     s.stream().await.unwrap();
     apply(&s).await.unwrap();
     assert_clean(&reconcile(&s).await.unwrap());
@@ -438,14 +456,14 @@ async fn a_null_keys_change_is_in_flight_and_its_real_difference_is_named_null()
     s.stream_until_caught_up().await;
     let r = reconcile(&s).await.unwrap();
     assert!(r.clean && r.counts["IN_FLIGHT"] == 1, "bronze holds the NULL key's change: {r:#?}");
-    assert_eq!(r.samples[0]["key"], serde_json::json!({"name": null}), "{:?}", r.samples);
+    assert_eq!(r.samples[0]["key"], serde_json::json!({"id": 7}), "{:?}", r.samples);
     apply(&s).await.unwrap();
     assert_clean(&reconcile(&s).await.unwrap());
     let t = delta::open_existing(&silver_path(&s), &Default::default()).await.unwrap().unwrap();
     t.update().with_predicate("name IS NULL").with_update("qty", "-1").await.unwrap();
     let r = reconcile(&s).await.unwrap();
     assert_eq!((r.counts["RECORD_DIFF"], r.clean), (1, false), "{r:#?}");
-    assert_eq!(r.samples[0]["key"], serde_json::json!({"name": null}), "{:?}", r.samples);
+    assert_eq!(r.samples[0]["key"], serde_json::json!({"id": 7}), "{:?}", r.samples);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -472,7 +490,8 @@ async fn a_table_without_a_unique_index_is_a_heap_refused_without_before_images(
              [snapshot]\nbootstrap = true\n{keys}\n"
         )
     };
-    std::fs::write(&s.wf_path, wf("")).unwrap();
+    // Read without before-images by hand (the default, `auto`, reads them for a heap).
+    std::fs::write(&s.wf_path, wf("[stream]\nrow_filter = \"all\"")).unwrap();
     s.stream().await.unwrap();
     let e = apply(&s).await.unwrap_err();
     assert_eq!(e.exit_code(), 2, "{e}");

@@ -1,7 +1,7 @@
 //! Silver keyed on a nullable column, end to end through the CLI binary.
 //!
-//! A table whose unique index allows one NULL (SQL Server's rule), with
-//! `snapshot.keys` naming that column: the row whose key is NULL is updated
+//! A table whose unique index allows one NULL (SQL Server's rule), captured
+//! with that index as its row identity (`@index_name`): the row whose key is NULL is updated
 //! again and again, deleted, and inserted again, with `stream` and `apply`
 //! run between the changes. After every apply, silver must hold exactly the
 //! simulator's rows: every column of every row, compared as a multiset (a
@@ -60,7 +60,8 @@ struct Case {
 impl Case {
     /// A table with a primary key `id` and a unique index on the nullable
     /// `key` (one NULL allowed), 20 rows of which id 1 has the NULL key,
-    /// CDC enabled, and a workflow keying silver on `key`.
+    /// CDC enabled on that unique index (`@index_name`), so silver is keyed
+    /// on `key`; the workflow also cuts snapshot ranges on it.
     fn new(key_type: SqlType) -> Case {
         let dir = tempfile::tempdir().unwrap();
         let db = SimDb::create(&dir.path().join("source.sqlite"), common::manual_config()).unwrap();
@@ -75,7 +76,9 @@ impl Case {
         let rows: Vec<Vec<SqlValue>> =
             (1..=20).map(|id| row(&key_type, id, if id == 1 { None } else { Some(id) }, id * 10, if id % 3 == 0 { None } else { Some("start") })).collect();
         db.load_rows(&table, rows.into_iter()).unwrap();
-        db.enable_cdc(&table, None, None).unwrap();
+        // @index_name: the capture instance's row identity is the nullable
+        // unique index, so silver is keyed on `key`, not on the primary key.
+        db.enable_cdc_on_index(&table, None, None, Some(&["key".to_string()])).unwrap();
         db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
         db.capture().unwrap();
         let wf_path = dir.path().join("accounts.toml");

@@ -26,15 +26,21 @@ mod reconcile_tiers;
 mod records_lock;
 #[path = "records_rules.rs"]
 mod records_rules;
+#[path = "records_untested.rs"]
+mod records_untested;
 #[path = "seed.rs"]
 mod seed;
 #[path = "seed_cli.rs"]
 mod seed_cli;
+#[path = "silver_identity.rs"]
+mod silver_identity;
 #[path = "silver_keys.rs"]
 mod silver_keys;
 #[path = "source_bounds.rs"]
 mod source_bounds;
 #[path = "switch_chunked.rs"]
 mod switch_chunked;
+#[path = "torture.rs"]
+mod torture;
 #[path = "type_change.rs"]
 mod type_change;

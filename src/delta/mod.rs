@@ -39,6 +39,11 @@ pub const PROP_KIND: &str = "mssql_cdc.kind";
 /// Table property of a bronze table: the source table it holds (`schema.name`).
 /// A workflow pointed at a bronze table of another source table is refused.
 pub const PROP_SOURCE_TABLE: &str = "mssql_cdc.source_table";
+/// Table property of a keyed silver table: the key columns its rows are told
+/// apart by (comma-separated, as the capture instance names them). A silver
+/// merged on other columns than it was built on would gain duplicates or
+/// merge distinct rows, so `apply` refuses a mismatch.
+pub const PROP_SILVER_KEYS: &str = "mssql_cdc.silver_keys";
 /// Table property holding the schema version (the last migration applied).
 pub const PROP_SCHEMA_VERSION: &str = "mssql_cdc.schemaVersion";
 

@@ -277,17 +277,21 @@ pub fn decide_with_cleanup(app: &str, last: Option<&ControlRow>, facts: &[FactRo
     }
 }
 
-/// The key columns silver merges on: `snapshot.keys`, else the capture
-/// instance's unique index. A capture instance without one is refused
-/// unless keys are given.
+/// The key columns silver merges on: the capture instance's unique index,
+/// the row identity SQL Server itself keeps (`index_column_list`).
+/// `snapshot.keys` never decide it: they name the columns chunks are cut
+/// on, which adr-0028 lets repeat, and keying silver on a repeated column
+/// would keep one row per value. A capture instance without a unique index
+/// is a heap (`heap`), which is not keyed at all.
+///
+/// A key that Delta holds inexactly is refused here, before anything is
+/// written.
 pub fn silver_keys(ctx: &Context) -> StepResult<Vec<ColumnDesc>> {
-    let names = ctx.snapshot_keys();
+    let names = ctx.instance.index_columns.clone();
     if names.is_empty() {
-        return Err(StepError::Config(format!(
-            "capture instance '{}' has no unique index, so silver cannot tell its rows apart: \
-             set snapshot.keys in {} to columns that identify a row",
-            ctx.instance.name,
-            ctx.workflow.path.display()
+        return Err(StepError::Internal(format!(
+            "capture instance '{}' has no unique index: its silver is a heap's, not keyed",
+            ctx.instance.name
         )));
     }
     let keys: Vec<ColumnDesc> = names
@@ -303,13 +307,37 @@ pub fn silver_keys(ctx: &Context) -> StepResult<Vec<ColumnDesc>> {
     if let Some((k, why)) = keys.iter().find_map(|k| k.sql_type.inexact_in_delta().map(|why| (k, why))) {
         return Err(StepError::Config(format!(
             "silver key column '{}' is {}: {why}, so two keys 100 ns apart would become one silver row. \
-             Name key columns that Delta holds exactly in snapshot.keys of {} (bronze keeps every change row either way)",
+             Silver is keyed on the capture instance's unique index ('{}'): create a capture instance whose \
+             @index_name names a unique index Delta holds exactly and pin it with table.capture_instance in {}, \
+             or leave target.silver unset (bronze keeps every change row either way)",
             k.name,
             k.sql_type.sql_name(),
+            ctx.instance.name,
             ctx.workflow.path.display()
         )));
     }
     Ok(keys)
+}
+
+/// Refuses, before `apply` writes anything, a keyed silver whose key can be
+/// respelled in place while the stream reads no before-images
+/// (`stream.row_filter = "all"` set by hand; `auto` reads them): the update
+/// would add the new spelling and leave the old one beside it.
+pub fn check_key_row_filter(ctx: &Context) -> StepResult<()> {
+    if ctx.row_filter() == crate::source::RowFilter::All {
+        if let Some((k, why)) = ctx.key_needing_before_images() {
+            return Err(StepError::Config(format!(
+                "silver key column '{}' is {}: {why}, and SQL Server logs an update that only respells a key as an \
+                 update of that key, whose before-image alone names the spelling silver holds; but the stream reads \
+                 updates without before-images (stream.row_filter = \"all\"): set stream.row_filter = \"all update old\" \
+                 (or remove it: \"auto\" does this) in {} (bronze streamed without it needs a new snapshot, or a new bronze target)",
+                k.name,
+                k.sql_type.sql_name(),
+                ctx.workflow.path.display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Opens (or creates) silver and its control table. Both are looked at
@@ -318,15 +346,19 @@ pub async fn open_tables(ctx: &Context) -> StepResult<(DeltaTable, DeltaTable)> 
     let silver_loc = ctx.workflow.silver_location("apply")?;
     let control_loc = silver::control_location_for(&silver_loc);
     let silver_schema = silver_schema(ctx);
+    let keys_property = if heap::is_heap(ctx) { None } else { Some(ctx.instance.index_columns.join(",")) };
     if let Some(mut t) = delta::open_existing(&silver_loc, &ctx.storage).await? {
         delta::check_kind_and_migrate(&mut t, &silver_loc, TableKind::Silver, &silver_schema).await?;
         check_shape(ctx, &t, &silver_loc)?;
+        check_keys_property(ctx, &t, &silver_loc, keys_property.as_deref())?;
     }
     if let Some(mut t) = delta::open_existing(&control_loc, &ctx.storage).await? {
         delta::check_kind_and_migrate(&mut t, &control_loc, TableKind::Control, &control::schema()).await?;
     }
     let table = ctx.workflow.table_name();
-    let s = delta::open_or_create(&silver_loc, &ctx.storage, TableKind::Silver, &silver_schema, &format!("mssql-cdc silver of {table}: the latest row per key")).await?;
+    let extra: Vec<(&str, String)> = keys_property.iter().map(|k| (delta::PROP_SILVER_KEYS, k.clone())).collect();
+    let s = delta::open_or_create_with(&silver_loc, &ctx.storage, TableKind::Silver, &silver_schema, &format!("mssql-cdc silver of {table}: the latest row per key"), &extra)
+        .await?;
     let c = delta::open_or_create(&control_loc, &ctx.storage, TableKind::Control, &control::schema(), &format!("mssql-cdc silver control of {table}: a row per apply")).await?;
     Ok((s, c))
 }
@@ -376,6 +408,23 @@ pub fn check_shape(ctx: &Context, table: &DeltaTable, location: &str) -> StepRes
         ctx.instance.name,
         shape(heap)
     )))
+}
+
+/// Refuses a keyed silver built on other key columns than the capture
+/// instance's unique index: merging on new columns would never match the
+/// rows it holds (duplicates), or merge rows it keeps apart. A silver from a
+/// release that did not record its keys is accepted as it is.
+fn check_keys_property(ctx: &Context, table: &DeltaTable, location: &str, wanted: Option<&str>) -> StepResult<()> {
+    let snap = table.snapshot().map_err(StepError::delta(location))?;
+    let found = snap.metadata().configuration().get(delta::PROP_SILVER_KEYS).cloned();
+    match (found, wanted) {
+        (Some(found), Some(wanted)) if !found.eq_ignore_ascii_case(wanted) => Err(StepError::Config(format!(
+            "silver {location} is keyed on ({found}), but capture instance '{}' tells rows apart by its unique index ({wanted}): \
+             rebuild silver (delete {location} and its control table, then apply), or point target.silver at a new location",
+            ctx.instance.name
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// This app id's control rows, oldest first.
@@ -715,6 +764,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ApplyResult> {
         heap::check_options(ctx)?;
         vec![]
     } else {
+        check_key_row_filter(ctx)?;
         silver_keys(ctx)?
     };
     let app = ctx.workflow.app_id.clone();
@@ -972,6 +1022,7 @@ mod tests {
             stamp: lsn(7),
             max_lsn: lsn(8),
             read_ms: None,
+            read_bytes: None,
             rounds: 1,
             bronze_version: None,
         };
@@ -985,5 +1036,104 @@ mod tests {
         let first = ChunkPayload { lo: None, hi: Some(vec![SqlValue::Int(5)]), ..c };
         let p = range_delete_predicate(&id, &[first]).unwrap();
         assert!(p.contains("IS NULL") && p.contains("< CAST(5 AS BIGINT)"), "{p}");
+    }
+
+    // Tests that close UNTESTED rows of docs/CONFORMANCE.md (18.31, 18.51, 18.52, 28.7).
+
+    #[test]
+    fn finalized_until_never_goes_back_when_a_new_generation_starts_below_it() {
+        // 18.31. A reseed's generation 1 starts at L = 60, below what silver applied (100): catches the verdict
+        // set to the new generation's position (`to`) instead of `to.max(applied)` (60, then 80).
+        let mut facts = vec![event(0, EVENT_BOOTSTRAP, 10, None), batch(0, 0, 40), batch(0, 1, 70), batch(0, 2, 100), event(1, EVENT_RESNAPSHOT, 60, None)];
+        let last = control(5, 100, Some(10), None, None, Some(100));
+        let d1 = decide("a", Some(&last), &facts);
+        assert_eq!(d1.action, Action::Rebuild { snapshot: lsn(60) });
+        assert_eq!((d1.next.applied_lsn, d1.next.finalized_until), (Some(lsn(100)), Some(lsn(100))));
+        // Generation 1 streams to 80, still below: nothing moves back.
+        facts.push(batch(1, 0, 80));
+        let d2 = decide("a", Some(&d1.next), &facts);
+        assert_eq!(d2.next.finalized_until, Some(lsn(100)));
+        assert_eq!(d2.action, Action::Nothing);
+        // Past it, the verdict moves on.
+        facts.push(batch(1, 1, 120));
+        let d3 = decide("a", Some(&d2.next), &facts);
+        assert_eq!(d3.action, Action::Changes { after: Some(lsn(100)) });
+        assert_eq!(d3.next.finalized_until, Some(lsn(120)));
+    }
+
+    #[test]
+    fn apply_and_its_verdict_take_no_notice_of_a_skipped_range() {
+        // 18.51, 18.52. Catches a verdict held at a skip (at its start 20, or its end 35) or a batch carrying a
+        // `data_skipped` row left out of the changes: the decision is the one without the skip row.
+        let mut skip = event(0, crate::delta::facts::EVENT_DATA_SKIPPED, 35, Some(json!({"from": lsn(21), "to": lsn(35), "certain": true})));
+        skip.batch_id = Some(1);
+        skip.rows = Some(0);
+        let without = vec![event(0, EVENT_BOOTSTRAP, 10, None), batch(0, 0, 20), batch(0, 1, 40)];
+        let mut with = without.clone();
+        with.push(skip);
+        let last = control(3, 20, Some(10), None, None, Some(20));
+        let d = decide("a", Some(&last), &with);
+        assert_eq!(d.action, Action::Changes { after: Some(lsn(20)) });
+        assert_eq!(d.to, Some(lsn(40)));
+        assert_eq!((d.next.applied_lsn, d.next.finalized_until), (Some(lsn(40)), Some(lsn(40))));
+        assert_eq!(d, decide("a", Some(&last), &without));
+    }
+
+    /// A rank: (_start_lsn, _command_id, _seqval, _operation).
+    type Rank = (u128, Option<i32>, Option<&'static str>, i32);
+
+    /// Whether `rank_gt("a", "b")` holds for one row `a` and one row `b`, evaluated by DataFusion.
+    async fn outranks(a: Rank, b: Rank) -> bool {
+        use deltalake::arrow::array::{Array, ArrayRef, Int32Array, Int64Array, StringArray};
+        use deltalake::arrow::datatypes::{DataType, Field, Schema};
+        use deltalake::arrow::record_batch::RecordBatch;
+        let schema = Arc::new(Schema::new(vec![
+            Field::new(bronze::START_LSN, DataType::Utf8, true),
+            Field::new(bronze::COMMAND_ID, DataType::Int32, true),
+            Field::new(bronze::SEQVAL, DataType::Utf8, true),
+            Field::new(bronze::OPERATION, DataType::Int32, true),
+        ]));
+        let row = |r: Rank| {
+            RecordBatch::try_new(
+                schema.clone(),
+                vec![
+                    Arc::new(StringArray::from(vec![Some(lsn(r.0).to_hex())])) as ArrayRef,
+                    Arc::new(Int32Array::from(vec![r.1])) as ArrayRef,
+                    Arc::new(StringArray::from(vec![r.2])) as ArrayRef,
+                    Arc::new(Int32Array::from(vec![Some(r.3)])) as ArrayRef,
+                ],
+            )
+            .unwrap()
+        };
+        let session = SessionContext::new();
+        session.register_batch("a", row(a)).unwrap();
+        session.register_batch("b", row(b)).unwrap();
+        let sql = format!("SELECT COUNT(*) AS n FROM a CROSS JOIN b WHERE {}", rank_gt("a", "b"));
+        let out = session.sql(&sql).await.unwrap().collect().await.unwrap();
+        out[0].column(0).as_any().downcast_ref::<Int64Array>().unwrap().value(0) == 1
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_change_at_a_chunks_stamp_outranks_the_chunks_image_with_or_without_a_command_id() {
+        // 28.7. A chunk stamped L may read a row a commit at L made; its change row (same LSN) must win the MERGE.
+        // Catches the COALESCE to -1 dropped or changed (a NULL command id compares as unknown, or an image's NULL
+        // ranks above a change's 1), a NULL seqval not ranked below a change's, or the order of the four reversed.
+        const SEQ: &str = "0x0000002a000000070003";
+        let image = (7, None, None, 0);
+        let old_change = (7, None, Some(SEQ), 2); // a change table without __$command_id
+        let change = (7, Some(1), Some(SEQ), 4);
+        assert!(outranks(old_change, image).await);
+        assert!(outranks(change, image).await);
+        assert!(!outranks(image, old_change).await);
+        assert!(!outranks(image, change).await);
+        // Equal ranks replace nothing; a later LSN outranks whatever the rest.
+        assert!(!outranks(image, image).await);
+        assert!(!outranks(change, change).await);
+        assert!(outranks((8, None, None, 0), change).await);
+        assert!(!outranks(change, (8, None, None, 0)).await);
+        // Within one LSN: command id, then seqval, then operation (an update's 4 over its 3).
+        assert!(outranks((7, Some(2), Some("0x0000002a000000070001"), 2), change).await);
+        assert!(outranks((7, Some(1), Some("0x0000002a000000070004"), 1), change).await);
+        assert!(outranks((7, Some(1), Some(SEQ), 4), (7, Some(1), Some(SEQ), 3)).await);
     }
 }

@@ -353,6 +353,11 @@ pub struct ChunkPayload {
     /// Max LSN read after them.
     pub max_lsn: Lsn,
     pub read_ms: Option<i64>,
+    /// Bytes the chunk's rows took in memory as read from the source (Arrow
+    /// buffers, before bronze's encoding): the record's "megabytes read".
+    /// None where the chunk is rebuilt from a commit rather than read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_bytes: Option<i64>,
     /// Rounds of `parallelism` chunks in the wave (its pace is read_ms / rounds).
     pub rounds: u32,
     pub bronze_version: Option<i64>,
@@ -859,6 +864,9 @@ impl Sink {
         row.duration_ms = c.read_ms;
         row.bronze_version = c.bronze_version;
         let mut detail = json!({"snapshot": self.s.to_hex(), "chunk": c.chunk, "wave": c.wave, "last": c.last, "rounds": c.rounds});
+        if let Some(bytes) = c.read_bytes {
+            detail["read_bytes"] = json!(bytes);
+        }
         if repaired {
             detail["repaired"] = json!(true);
         }
@@ -962,6 +970,7 @@ impl Sink {
                         stamp: r.min_lsn?,
                         max_lsn: r.max_lsn?,
                         read_ms: None,
+                        read_bytes: None,
                         rounds: 1,
                         bronze_version: r.bronze_version,
                     })
@@ -1093,6 +1102,7 @@ async fn chunks_from_bronze(bronze_table: &DeltaTable, s: Lsn, wave: i64, plan: 
             stamp,
             max_lsn: stamp,
             read_ms: None,
+            read_bytes: None,
             rounds: 1,
             bronze_version: None,
         })
@@ -1330,12 +1340,12 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
             ReadEvent::WaveStarted { wave, chunks, stamp, stamp_ts, rounds, at } => {
                 waves.insert(wave, WaveAcc { expected: chunks, stamp, stamp_ts, rounds, started: at, chunks: Vec::new(), adds: Vec::new(), rows: 0, ended: at });
             }
-            ReadEvent::ChunkRead { wave, chunk, rows, read_ms, adds, ended } => {
+            ReadEvent::ChunkRead { wave, chunk, rows, read_ms, read_bytes, adds, ended } => {
                 if let Some(acc) = waves.get_mut(&wave) {
                     acc.rows += rows;
                     acc.adds.extend(adds);
                     acc.ended = acc.ended.max(ended);
-                    acc.chunks.push((chunk, rows, read_ms));
+                    acc.chunks.push((chunk, rows, read_ms, read_bytes));
                 }
             }
             ReadEvent::Failed(e) => {
@@ -1395,7 +1405,7 @@ enum ReadEvent {
     /// A wave was stamped and its chunks queued.
     WaveStarted { wave: i64, chunks: usize, stamp: Lsn, stamp_ts: Option<DateTime<Utc>>, rounds: u32, at: Instant },
     /// One chunk is read and its data files written.
-    ChunkRead { wave: i64, chunk: PlannedChunk, rows: i64, read_ms: i64, adds: Vec<deltalake::kernel::Add>, ended: Instant },
+    ChunkRead { wave: i64, chunk: PlannedChunk, rows: i64, read_ms: i64, read_bytes: i64, adds: Vec<deltalake::kernel::Add>, ended: Instant },
     Failed(StepError),
 }
 
@@ -1407,7 +1417,7 @@ struct WaveAcc {
     rounds: u32,
     #[allow(dead_code)]
     started: Instant,
-    chunks: Vec<(PlannedChunk, i64, i64)>,
+    chunks: Vec<(PlannedChunk, i64, i64, i64)>,
     adds: Vec<deltalake::kernel::Add>,
     rows: i64,
     ended: Instant,
@@ -1419,7 +1429,7 @@ impl WaveAcc {
         let chunks = self
             .chunks
             .into_iter()
-            .map(|(c, rows, ms)| ChunkPayload {
+            .map(|(c, rows, ms, bytes)| ChunkPayload {
                 chunk: c.chunk,
                 wave,
                 lo: c.lo,
@@ -1429,6 +1439,7 @@ impl WaveAcc {
                 stamp: self.stamp,
                 max_lsn: max_after,
                 read_ms: Some(ms),
+                read_bytes: Some(bytes),
                 rounds: self.rounds,
                 bronze_version: None,
             })
@@ -1584,8 +1595,8 @@ impl ChunkReader {
                 }
             };
             match self.read(&item).await {
-                Ok((rows, read_ms, adds)) => {
-                    let _ = events.send(ReadEvent::ChunkRead { wave: item.wave, chunk: item.chunk, rows, read_ms, adds, ended: Instant::now() });
+                Ok(ChunkReadOutcome { rows, read_ms, read_bytes, adds }) => {
+                    let _ = events.send(ReadEvent::ChunkRead { wave: item.wave, chunk: item.chunk, rows, read_ms, read_bytes, adds, ended: Instant::now() });
                 }
                 Err(e) => {
                     coordinator.lock().await.failed = true;
@@ -1596,8 +1607,8 @@ impl ChunkReader {
         }
     }
 
-    /// Reads one chunk into data files of its own; returns rows, milliseconds and the files.
-    async fn read(&self, item: &WorkItem) -> StepResult<(i64, i64, Vec<deltalake::kernel::Add>)> {
+    /// Reads one chunk into data files of its own.
+    async fn read(&self, item: &WorkItem) -> StepResult<ChunkReadOutcome> {
         let label = self.bronze.table_url().to_string();
         let t0 = Instant::now();
         let mut writer = RecordBatchWriter::for_table(&self.bronze).map_err(StepError::delta(&label))?.with_target_file_size(TARGET_FILE_BYTES);
@@ -1611,17 +1622,28 @@ impl ChunkReader {
         };
         let mut stream = self.source.snapshot_read(&read).await?;
         let mut rows = 0i64;
+        let mut read_bytes = 0i64;
         while let Some(b) = stream.next().await {
             let b = b?;
             if b.num_rows() == 0 {
                 continue;
             }
             rows += b.num_rows() as i64;
+            read_bytes += b.get_array_memory_size() as i64;
             writer.write(bronze::from_snapshot(&b, &self.schema, &stamp)?).await.map_err(StepError::delta(&label))?;
         }
         let adds = writer.flush().await.map_err(StepError::delta(&label))?;
-        Ok((rows, t0.elapsed().as_millis() as i64, adds))
+        Ok(ChunkReadOutcome { rows, read_ms: t0.elapsed().as_millis() as i64, read_bytes, adds })
     }
+}
+
+/// What reading one chunk gave: its rows, how long it took, how many bytes
+/// the rows took as read, and the data files they went to.
+struct ChunkReadOutcome {
+    rows: i64,
+    read_ms: i64,
+    read_bytes: i64,
+    adds: Vec<deltalake::kernel::Add>,
 }
 
 /// The stream's newest batch headroom in this generation, in seconds.
@@ -1738,5 +1760,121 @@ mod tests {
         assert_eq!(rounds_for_wave(300.0, Some(60.0), Some(130.0), 10), 2, "bounded by max_seconds");
         assert_eq!(rounds_for_wave(300.0, Some(60.0), Some(10.0), 10), 1, "at least one");
         assert_eq!(rounds_for_wave(300.0, Some(1.0), None, 3), 3, "no more than are left");
+    }
+
+    // Tests that close UNTESTED rows of docs/CONFORMANCE.md (28.72, 28.73, 28.126).
+
+    #[test]
+    fn a_plan_is_on_the_unique_index_for_its_columns_in_any_case_and_never_for_a_prefix() {
+        // 28.126 (`keyset_shape`): catches a case-sensitive match (a plan on the index taken as not unique, so it
+        // makes the extra seeks) and a prefix of the index taken for it (`zip` without the length check: a prefix
+        // may repeat, and a unique plan skips the check that keeps its chunks non-empty).
+        fn names(v: &[&str]) -> Vec<String> {
+            v.iter().map(|s| s.to_string()).collect()
+        }
+        assert!(same_columns(&names(&["ID", "Name"]), &names(&["id", "name"])));
+        assert!(!same_columns(&names(&["id"]), &names(&["id", "name"])));
+    }
+
+    /// A bronze table in `dir` holding these rows: (_snapshot, _chunk,
+    /// _operation, _start_lsn); every other column NULL.
+    async fn bronze_with(dir: &std::path::Path, rows: &[(Option<u128>, Option<i64>, i32, u128)]) -> DeltaTable {
+        use deltalake::arrow::array::{ArrayRef, Int32Array, Int64Array, StringArray};
+        let location = dir.join("bronze").to_string_lossy().into_owned();
+        let columns = vec![crate::types::ColumnDesc::new("id", SqlType::Int, false)];
+        let mut table = delta::open_or_create(&location, &std::collections::HashMap::new(), TableKind::Bronze, &bronze::schema(&columns), "test bronze")
+            .await
+            .unwrap();
+        let schema = table.snapshot().unwrap().snapshot().arrow_schema();
+        let n = rows.len();
+        let arrays: Vec<ArrayRef> = schema
+            .fields()
+            .iter()
+            .map(|f| {
+                let a: ArrayRef = match f.name().as_str() {
+                    bronze::SNAPSHOT => Arc::new(StringArray::from(rows.iter().map(|r| r.0.map(|s| lsn(s).to_hex())).collect::<Vec<_>>())) as ArrayRef,
+                    bronze::CHUNK => Arc::new(Int64Array::from(rows.iter().map(|r| r.1).collect::<Vec<_>>())) as ArrayRef,
+                    bronze::OPERATION => Arc::new(Int32Array::from(rows.iter().map(|r| Some(r.2)).collect::<Vec<_>>())) as ArrayRef,
+                    bronze::START_LSN => Arc::new(StringArray::from(rows.iter().map(|r| Some(lsn(r.3).to_hex())).collect::<Vec<_>>())) as ArrayRef,
+                    _ => return deltalake::arrow::array::new_null_array(f.data_type(), n),
+                };
+                deltalake::arrow::compute::cast(&a, f.data_type()).unwrap()
+            })
+            .collect();
+        let batch = deltalake::arrow::record_batch::RecordBatch::try_new(schema.clone(), arrays).unwrap();
+        delta::append_batches(&mut table, vec![batch], schema, &Txn::new("test#snap", 0), json!({})).await.unwrap();
+        table
+    }
+
+    /// A plan of five integer chunks: (-inf, 10), [10, 20), [20, 30), [30, 40), [40, +inf).
+    fn five_chunks() -> PlanPayload {
+        let int = |v: i64| Some(vec![SqlValue::Int(v)]);
+        let chunks: Vec<PlannedChunk> = (0..5i64)
+            .map(|i| PlannedChunk { chunk: i, lo: if i == 0 { None } else { int(i * 10) }, hi: if i == 4 { None } else { int(i * 10 + 10) }, rows: Some(10) })
+            .collect();
+        PlanPayload {
+            kind: "integer".into(),
+            keys: vec!["id".into()],
+            chunk_rows: 10,
+            chunk_count: 5,
+            chunks,
+            open_end: false,
+            isolation: Isolation::ReadCommitted,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_wave_rebuilt_from_bronze_ends_at_its_last_chunk_with_rows_so_trailing_empty_chunks_are_read_again() {
+        // 28.72. Catches a rebuild that records every planned chunk from `first` (chunk 4, empty in bronze, would be
+        // marked done and never read), one that drops the `_snapshot = S` filter (an older snapshot's chunk-4 row
+        // would count), one that drops `_chunk >= first` (an earlier wave's chunk 0 would be taken again), a
+        // stamp other than the smallest, or middle empty chunks left out.
+        let dir = tempfile::tempdir().unwrap();
+        let (s, older) = (100u128, 50u128);
+        let mut rows = Vec::new();
+        rows.extend([(Some(s), Some(0), 0, 101); 2]); // wave 6's chunk 0, done before
+        rows.extend([(Some(s), Some(1), 0, 105); 3]);
+        rows.extend([(Some(s), Some(3), 0, 103); 2]);
+        rows.push((Some(older), Some(4), 0, 51)); // an older snapshot's row
+        rows.push((None, None, 2, 107)); // a change row
+        let bronze_table = bronze_with(dir.path(), &rows).await;
+        let plan = five_chunks();
+        let got = chunks_from_bronze(&bronze_table, lsn(s), 7, &plan, 1).await.unwrap();
+        let want: Vec<ChunkPayload> = [(1, 3), (2, 0), (3, 2)]
+            .into_iter()
+            .map(|(c, n): (usize, i64)| ChunkPayload {
+                chunk: c as i64,
+                wave: 7,
+                lo: plan.chunks[c].lo.clone(),
+                hi: plan.chunks[c].hi.clone(),
+                last: false,
+                rows: n,
+                stamp: lsn(103),
+                max_lsn: lsn(103),
+                read_ms: None,
+                read_bytes: None,
+                rounds: 1,
+                bronze_version: None,
+            })
+            .collect();
+        assert_eq!(got, want);
+        // The older snapshot's wave reaches the last planned chunk: every chunk from 0 on, chunk 4 flagged last.
+        let got = chunks_from_bronze(&bronze_table, lsn(older), 2, &plan, 0).await.unwrap();
+        assert_eq!(got.iter().map(|c| (c.chunk, c.rows, c.last)).collect::<Vec<_>>(), vec![(0, 0, false), (1, 0, false), (2, 0, false), (3, 0, false), (4, 1, true)]);
+        assert!(got.iter().all(|c| c.stamp == lsn(51) && c.wave == 2));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_wave_whose_rows_are_not_in_bronze_needs_a_person() {
+        // 28.73. Catches a rebuild that returns no chunks (the wave's facts would never be written and the
+        // snapshot could complete without its rows) or a temporary error (the call would loop forever).
+        let dir = tempfile::tempdir().unwrap();
+        let bronze_table = bronze_with(dir.path(), &[(Some(100), Some(0), 0, 101), (Some(100), Some(1), 0, 102)]).await;
+        for (s, first) in [(100u128, 2i64), (200, 0)] {
+            let e = chunks_from_bronze(&bronze_table, lsn(s), 3, &five_chunks(), first).await.unwrap_err();
+            assert!(matches!(e, StepError::NeedsPerson(_)), "S {s}, from chunk {first}: {e}");
+            assert_eq!(e.exit_code(), 3);
+            assert!(e.to_string().contains("wave 3") && e.to_string().contains("new snapshot"), "{e}");
+        }
     }
 }

@@ -255,6 +255,34 @@ impl Context {
         }
     }
 
+    /// The row filter the change reads use: `stream.row_filter`, with
+    /// `auto` resolved for the capture instance the context is on (see
+    /// [`crate::workflow::RowFilterOption::Auto`]).
+    pub fn row_filter(&self) -> crate::source::RowFilter {
+        use crate::source::RowFilter;
+        use crate::workflow::RowFilterOption;
+        match self.workflow.stream.row_filter {
+            RowFilterOption::All => RowFilter::All,
+            RowFilterOption::AllUpdateOld => RowFilter::AllUpdateOld,
+            RowFilterOption::Auto => match self.key_needing_before_images() {
+                Some(_) => RowFilter::AllUpdateOld,
+                None if self.instance.index_columns.is_empty() => RowFilter::AllUpdateOld,
+                None => RowFilter::All,
+            },
+        }
+    }
+
+    /// The first column of the capture instance's unique index whose equal
+    /// values can be spelled differently, with why: an update that only
+    /// respells it is named in its old form by its before-image alone.
+    pub fn key_needing_before_images(&self) -> Option<(&crate::types::ColumnDesc, &'static str)> {
+        self.instance
+            .index_columns
+            .iter()
+            .filter_map(|k| self.instance.column(k))
+            .find_map(|c| c.sql_type.equal_respellings().map(|why| (c, why)))
+    }
+
     /// A facts row of this stream with its header filled (app id, table,
     /// target, generation, capture instance, recorded now) and nothing else.
     pub fn fact_row(&self, generation: i32) -> crate::delta::facts::FactRow {

@@ -695,4 +695,277 @@ mod tests {
             assert_eq!(Folded::cmp(&w[0], &w[1]), Ordering::Less, "bounds move in the server's order: {bounds:?}");
         }
     }
+
+    // Tests that close UNTESTED rows of docs/CONFORMANCE.md (28.57, 28.58,
+    // 28.70, 28.124, 28.126). Each expectation is computed here from the
+    // in-memory table or by hand, never by another planner function.
+
+    /// Non-overlapping slices in key order from (gap before, width, rows).
+    fn slices_of(parts: &[(u8, u8, u64)]) -> Vec<Slice> {
+        let mut next = -100i64;
+        parts
+            .iter()
+            .map(|&(gap, width, rows)| {
+                let s = Slice { start: next + gap as i64, width: width as i128, rows };
+                next = s.start + width as i64;
+                s
+            })
+            .collect()
+    }
+
+    #[test]
+    fn pack_slices_closes_a_chunk_only_when_the_next_slice_would_overflow_it() {
+        // 28.57 by hand. Catches `<=` turned into `<` in the packer (it would give [3], [4+2], [5+1]) or any early cut.
+        let slices = slices_of(&[(0, 1, 3), (0, 1, 4), (0, 1, 2), (0, 1, 5), (0, 1, 1)]); // starts -100..=-96
+        assert_eq!(
+            pack_slices(0, &slices, 7, -96),
+            vec![
+                IntChunk { lo: None, hi: Some(-98), rows: 7 },
+                IntChunk { lo: Some(-98), hi: Some(-96), rows: 7 },
+                IntChunk { lo: Some(-96), hi: Some(-95), rows: 1 },
+            ]
+        );
+        // The NULLs are packed first, like a value: 5 + 3 > 7 closes them alone.
+        assert_eq!(
+            pack_slices(5, &slices, 7, -96).iter().map(|c| (c.lo, c.rows)).collect::<Vec<_>>(),
+            vec![(None, 5), (Some(-100), 7), (Some(-98), 7), (Some(-96), 1)]
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn every_chunk_but_the_last_holds_more_than_chunk_rows_less_the_next_slice(
+            parts in proptest::collection::vec((0u8..4, 1u8..5, 0u64..60), 1..200),
+            chunk_rows in 1u64..120,
+            nulls in prop_oneof![Just(0u64), 1u64..150],
+        ) {
+            // 28.57. Catches a packer that closes chunks early (`<` for `<=`, a fill target below chunk_rows, a cut per slice).
+            let slices = slices_of(&parts);
+            let max = (slices.last().unwrap().end() - 1) as i64;
+            let chunks = pack_slices(nulls, &slices, chunk_rows, max);
+            // Rows of a chunk, counted here from the slices its bounds hold (and the NULLs in the first).
+            let held = |i: usize| -> u64 {
+                let c = &chunks[i];
+                let in_slices: u64 = slices
+                    .iter()
+                    .filter(|s| c.lo.is_none_or(|lo| s.start >= lo) && c.hi.is_none_or(|hi| s.start < hi))
+                    .map(|s| s.rows)
+                    .sum();
+                in_slices + if i == 0 { nulls } else { 0 }
+            };
+            for i in 0..chunks.len().saturating_sub(1) {
+                let next_lo = chunks[i + 1].lo.expect("only the first chunk is open below");
+                let next = slices.iter().find(|s| s.start == next_lo && s.rows > 0).expect("a chunk starts on a non-empty slice");
+                prop_assert!(held(i) + next.rows > chunk_rows, "chunk {} {:?} holds {}, the next slice {:?}", i, chunks[i], held(i), next);
+            }
+        }
+    }
+
+    /// An integer column that records every count it is asked for, and how
+    /// often its NULLs are counted.
+    struct LoggedCounts {
+        table: Counts,
+        calls: std::sync::Mutex<Vec<(i64, i64, i64, Vec<(i64, u64)>)>>,
+        null_calls: std::sync::atomic::AtomicUsize,
+    }
+
+    impl LoggedCounts {
+        fn new(values: BTreeMap<i64, u64>) -> LoggedCounts {
+            LoggedCounts { table: Counts(values), calls: Default::default(), null_calls: Default::default() }
+        }
+    }
+
+    #[async_trait]
+    impl KeyCounter for LoggedCounts {
+        async fn count(&self, lo: i64, hi: i64, width: i64) -> Result<Vec<(i64, u64)>, SourceError> {
+            let out = self.table.count(lo, hi, width).await?;
+            self.calls.lock().unwrap().push((lo, hi, width, out.clone()));
+            Ok(out)
+        }
+
+        async fn null_rows(&self) -> Result<u64, SourceError> {
+            self.null_calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(0)
+        }
+    }
+
+    /// 1..=1000 one row each, 500..=509 thirty rows each: 1,290 rows.
+    fn clustered() -> BTreeMap<i64, u64> {
+        (1..=1000).map(|k| (k, if (500..=509).contains(&k) { 30 } else { 1 })).collect()
+    }
+
+    #[test]
+    fn integer_planning_counts_the_whole_key_once_then_only_the_over_full_slices() {
+        // 28.70. Catches a planner that recounts [MIN, MAX] (a second full pass, e.g. a finer grid over the whole
+        // key), recounts a slice that was not over-full, or counts the NULLs more than once.
+        let counter = LoggedCounts::new(clustered());
+        let chunks = block(plan_integer(&counter, 1, 1000, 50, 1290)).unwrap();
+        let calls = counter.calls.lock().unwrap().clone();
+        assert_eq!(counter.null_calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+        // The first GROUP BY spans the key: 16 * ceil(1290 / 50) = 416 slices wanted, so width ceil(1000 / 416) = 3.
+        assert_eq!((calls[0].0, calls[0].1, calls[0].2), (1, 1000, 3));
+        assert_eq!(calls.iter().filter(|c| c.0 <= 1 && c.1 >= 1000).count(), 1, "one full pass: {calls:?}");
+        assert!(calls.len() > 1, "the cluster's slices (61 and 90 rows) are counted again");
+        for (j, (lo, hi, _, _)) in calls.iter().enumerate().skip(1) {
+            let inside_an_over_full_slice = calls[..j].iter().any(|(_, _, w, out)| {
+                *w > 1 && out.iter().any(|(start, rows)| *rows > 50 && *start <= *lo && *hi <= *start + *w - 1)
+            });
+            assert!(inside_an_over_full_slice, "count {j} over [{lo}, {hi}] is not a recount of an over-full slice: {calls:?}");
+        }
+        assert_eq!(chunks.iter().map(|c| c.rows).sum::<u64>(), 1290);
+    }
+
+    #[test]
+    fn the_row_estimate_only_sizes_the_first_grid() {
+        // 28.58. Catches the estimate used beyond the first grid's width (as a row total, a chunk count, a cap on
+        // refinement): every estimate, however wrong, must plan a valid tiling with exact counts.
+        let values = clustered();
+        for (estimate, first_width) in [(0u64, 63i64), (1, 63), (1290, 3), (1_000_000_000_000, 1)] {
+            // By hand: slices wanted = clamp(16 * ceil(max(estimate, 1) / 50), 16, 100000); width = ceil(1000 / wanted).
+            let counter = LoggedCounts::new(values.clone());
+            let chunks = block(plan_integer(&counter, 1, 1000, 50, estimate)).unwrap();
+            assert_eq!(counter.calls.lock().unwrap()[0].2, first_width, "estimate {estimate}");
+            for (k, _) in &values {
+                assert_eq!(chunk_of(&chunks, Some(*k)).len(), 1, "estimate {estimate}: value {k}");
+            }
+            for c in &chunks {
+                let rows: u64 = values.iter().filter(|(k, _)| c.lo.is_none_or(|lo| **k >= lo) && c.hi.is_none_or(|hi| **k < hi)).map(|(_, n)| n).sum();
+                assert_eq!(c.rows, rows, "estimate {estimate}: {c:?}");
+                assert!(rows > 0 && rows <= 50, "estimate {estimate}: {c:?} holds {rows}");
+            }
+            assert_eq!(chunks.last().unwrap().hi, Some(1001), "estimate {estimate}");
+        }
+    }
+
+    /// A table's keys (as [`Keys`]) that records every seek.
+    struct LoggedKeys {
+        table: Keys,
+        seeks: std::sync::Mutex<Vec<(KeyRange, u64)>>,
+    }
+
+    impl LoggedKeys {
+        fn new(keys: Vec<Key>) -> LoggedKeys {
+            LoggedKeys { table: Keys::new(keys), seeks: Default::default() }
+        }
+
+        fn take(&self) -> Vec<(KeyRange, u64)> {
+            std::mem::take(&mut *self.seeks.lock().unwrap())
+        }
+    }
+
+    #[async_trait]
+    impl KeySeeker for LoggedKeys {
+        async fn seek(&self, range: &KeyRange, n: u64) -> Result<Option<Key>, SourceError> {
+            self.seeks.lock().unwrap().push((range.clone(), n));
+            self.table.seek(range, n).await
+        }
+
+        async fn compare(&self, a: &Key, b: &Key) -> Result<Ordering, SourceError> {
+            self.table.compare(a, b).await
+        }
+    }
+
+    /// 50 keys of a composite integer key, (i / 3, i) for i in 0..50.
+    fn composite_keys() -> Vec<Key> {
+        (0..50).map(|i| vec![SqlValue::Int(i / 3), SqlValue::Int(i)]).collect()
+    }
+
+    fn int_pair_shape(unique: bool) -> KeysetShape {
+        KeysetShape { types: vec![SqlType::Int, SqlType::Int], unique }
+    }
+
+    #[test]
+    fn a_keyset_plan_walks_the_key_once_with_one_seek_per_chunk() {
+        // 28.70. Catches a walk that seeks from the start of the key again (lo None with a growing n), or seeks a
+        // bound twice: the seeks must start at None, then at each bound in turn, chunk_rows rows each.
+        let keys = composite_keys();
+        let table = LoggedKeys::new(keys.clone());
+        let max = keys[49].clone();
+        let bounds = block(plan_keyset(&table, &max, 7, &int_pair_shape(true))).unwrap();
+        // By hand: the rows 7, 14, ..., 49 rows in; from row 49 no 8th row is left.
+        let expected: Vec<Key> = (1..=7).map(|i| keys[i * 7].clone()).collect();
+        assert_eq!(bounds, expected);
+        let seeks = table.take();
+        let los: Vec<Option<Key>> = seeks.iter().map(|(r, _)| r.lo.clone()).collect();
+        let mut want: Vec<Option<Key>> = vec![None];
+        want.extend(expected.iter().cloned().map(Some));
+        assert_eq!(los, want, "one seek per chunk, each from the previous bound");
+        assert!(seeks.iter().all(|(r, n)| r.hi.is_none() && *n == 7), "{seeks:?}");
+    }
+
+    #[test]
+    fn a_plan_on_the_unique_index_makes_no_extra_seeks() {
+        // 28.126. Catches the non-empty check `[lo, bound)` run for unique keys too (`!shape.unique` dropped):
+        // 15 seeks instead of 8. The non-unique walk over the same keys shows the check that unique plans skip.
+        let keys = composite_keys();
+        let max = keys[49].clone();
+        let unique = LoggedKeys::new(keys.clone());
+        let bounds = block(plan_keyset(&unique, &max, 7, &int_pair_shape(true))).unwrap();
+        assert_eq!(bounds.len(), 7);
+        assert_eq!(unique.take().len(), 8, "a seek per bound and the last one that finds none");
+        let repeated = LoggedKeys::new(keys.clone());
+        assert_eq!(block(plan_keyset(&repeated, &max, 7, &int_pair_shape(false))).unwrap(), bounds, "same keys, same plan");
+        let seeks = repeated.take();
+        assert_eq!(seeks.len(), 15, "each of the 7 bounds checked by one more seek: {seeks:?}");
+        assert_eq!(seeks.iter().filter(|(r, n)| r.hi.is_some() && *n == 0).count(), 7);
+        // The end seek past MAX reads the same on both: MAX itself, then nothing.
+        block(last_bound(&unique, &max, &int_pair_shape(true))).unwrap();
+        block(last_bound(&repeated, &max, &int_pair_shape(false))).unwrap();
+        assert_eq!(unique.take().len(), 2);
+        assert_eq!(repeated.take().len(), 2);
+    }
+
+    #[test]
+    fn a_heavy_value_makes_a_chunk_of_its_own_under_twice_its_rows() {
+        // 28.124 by hand: chunk_rows 4 over a a b×9 c c c d e×10; from 'b' the seeks at 4 and 8 rows repeat 'b',
+        // the one at 16 finds 'e'. Catches a walk that splits 'b', or one that grows n by other than doubling
+        // (adding chunk_rows, or ×3, reaches 12 rows and ends the chunk at 'd').
+        let mut v = Vec::new();
+        for (s, n) in [("a", 2), ("b", 9), ("c", 3), ("d", 1), ("e", 10)] {
+            v.extend(std::iter::repeat_n(s, n));
+        }
+        let table = Folded::strs(v);
+        let max = vec![SqlValue::Str("e".into())];
+        let bounds = block(plan_keyset(&table, &max, 4, &string_shape(false))).unwrap();
+        assert_eq!(bounds, vec![vec![SqlValue::Str("b".into())], vec![SqlValue::Str("e".into())]]);
+        // The chunks hold 2, 13 (< 2 × 9) and 10 (< 2 × 10) rows.
+        let ranges = keyset_ranges(&bounds, None);
+        let sizes: Vec<usize> = ranges.iter().map(|r| table.0.iter().filter(|k| Folded::holds(r, k)).count()).collect();
+        assert_eq!(sizes, vec![2, 13, 10]);
+    }
+
+    proptest! {
+        #[test]
+        fn a_chunk_over_chunk_rows_starts_on_a_heavy_value_and_holds_under_twice_its_rows(
+            values in proptest::collection::vec(proptest::option::of(0u8..6), 1..150),
+            upper in proptest::collection::vec(any::<bool>(), 150),
+            chunk_rows in 1u64..8,
+        ) {
+            // 28.124. Catches a doubling step other than ×2 (×4 lets a chunk reach 2× its first value's rows) and a
+            // bound accepted while it repeats lo (a chunk over chunk_rows whose first value is not heavy).
+            let word = |v: u8, up: bool| { let s = format!("k{v:02}"); if up { s.to_uppercase() } else { s } };
+            let keys: Vec<Key> = values.iter().zip(upper.iter()).map(|(v, up)| vec![v.map(|v| SqlValue::Str(word(v, *up))).unwrap_or(SqlValue::Null)]).collect();
+            let table = Folded::new(keys);
+            let Some(max) = table.0.iter().rev().find(|k| !k[0].is_null()).cloned() else { return Ok(()) };
+            let shape = string_shape(false);
+            let bounds = block(plan_keyset(&table, &max, chunk_rows, &shape)).unwrap();
+            let end = block(last_bound(&table, &max, &shape)).unwrap();
+            // One value: equal under the collation, or both NULL.
+            let same = |a: &Key, b: &Key| match (a[0].is_null(), b[0].is_null()) {
+                (true, true) => true,
+                (false, false) => Folded::cmp(a, b) == Ordering::Equal,
+                _ => false,
+            };
+            for r in keyset_ranges(&bounds, end) {
+                let held: Vec<&Key> = table.0.iter().filter(|k| Folded::holds(&r, k)).collect();
+                let rows = held.len() as u64;
+                if rows > chunk_rows {
+                    // Sorted with NULLs first, so held[0] is the value the chunk starts on.
+                    let first_rows = table.0.iter().filter(|k| same(*k, held[0])).count() as u64;
+                    prop_assert!(first_rows > chunk_rows, "{:?} holds {} rows but starts on {:?} held by {}", r, rows, held[0], first_rows);
+                    prop_assert!(rows < 2 * first_rows, "{:?} holds {} rows, {:?} only {}", r, rows, held[0], first_rows);
+                }
+            }
+        }
+    }
 }

@@ -66,7 +66,7 @@ use super::chunked::{ChunkPayload, PlanPayload, EVENT_SNAPSHOT_CHUNK, EVENT_SNAP
 use super::rebuild::key_text;
 use super::state;
 use super::Context;
-use crate::delta::facts::{FactRow, EVENT_SNAPSHOT_OPEN};
+use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT, EVENT_SNAPSHOT_OPEN};
 use crate::delta::reconcile::{self as report, ReportRow};
 use crate::delta::{self, bronze, plans, silver, sql_str, TableKind, Txn};
 use crate::error::{StepError, StepResult};
@@ -309,7 +309,11 @@ pub fn buckets_to_compare(source: &BTreeMap<i64, (u64, i128)>, target: &BTreeMap
 
 /// The tiling, rows and stamps of a chunked snapshot's recorded chunks (pure).
 /// `bronze_chunks`: chunk -> (rows, min _start_lsn, max _start_lsn) of its operation-0 rows.
-pub fn check_chunks(s: Lsn, plan: &PlanPayload, chunks: &[ChunkPayload], bronze_chunks: &BTreeMap<i64, (i64, String, String)>) -> Vec<Difference> {
+///
+/// `completed`: the snapshot has its completion row, so every planned chunk
+/// must have been recorded; one that was not is a hole in the tiling, rows
+/// the snapshot never read.
+pub fn check_chunks(s: Lsn, plan: &PlanPayload, chunks: &[ChunkPayload], bronze_chunks: &BTreeMap<i64, (i64, String, String)>, completed: bool) -> Vec<Difference> {
     let mut out = Vec::new();
     let mut diff = |class: &'static str, chunk: i64, detail: Value| {
         out.push(Difference { class, key: None, bucket: None, chunk: Some(chunk), source_hash: None, target_hash: None, detail: Some(detail) });
@@ -327,6 +331,11 @@ pub fn check_chunks(s: Lsn, plan: &PlanPayload, chunks: &[ChunkPayload], bronze_
                     diff(CHUNK_TILING, c.chunk, json!({"problem": "bounds differ from the plan", "plan": {"lo": p.lo, "hi": p.hi}, "chunk": {"lo": c.lo, "hi": c.hi}}));
                 }
             }
+        }
+    }
+    if completed {
+        for p in plan.chunks.iter().filter(|p| !sorted.iter().any(|c| c.chunk == p.chunk)) {
+            diff(CHUNK_TILING, p.chunk, json!({"problem": "planned but never recorded, though the snapshot completed", "plan": {"lo": p.lo, "hi": p.hi}}));
         }
     }
     for pair in sorted.windows(2) {
@@ -609,16 +618,40 @@ async fn chunk_checks(ctx: &Context, facts: &[FactRow]) -> StepResult<(Option<Ls
         .max();
     let Some(s) = newest else { return Ok((None, 0, vec![])) };
     let recorded = apply::waves_in_facts(facts, s);
+    let recorded_count: usize = recorded.values().map(|cs| cs.len()).sum();
+    let completed = facts
+        .iter()
+        .any(|r| matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT)) && r.min_lsn == Some(s));
     let location = plans::location_for(&ctx.workflow.target.bronze);
-    let Some(table) = delta::open_existing(&location, &ctx.storage).await? else { return Ok((Some(s), 0, vec![])) };
+    // Facts first, then plans (adr-0028 Amendment 4): a chunk the facts record
+    // without its plans row is a broken pair, never a reason to check nothing.
+    let missing = |what: &str| {
+        StepError::NeedsPerson(format!(
+            "the facts record {recorded_count} chunk(s) of the chunked snapshot at {s}, but {what} in the plans table {location}: \
+             the chunks' bounds are lost, so their tiling cannot be checked. Restore the plans table (Delta time travel or a backup), \
+             or open a new snapshot for this table"
+        ))
+    };
+    let table = match delta::open_existing(&location, &ctx.storage).await? {
+        Some(t) => t,
+        None if recorded_count == 0 => return Ok((Some(s), 0, vec![])),
+        None => return Err(missing("there is no such table")),
+    };
     let batches = delta::query(&table, &format!("SELECT * FROM t WHERE app_id = {} AND snapshot = {}", sql_str(&ctx.workflow.app_id), sql_str(&s.to_hex()))).await?;
     let rows = plans::from_batches(&batches)?;
-    let Some(plan) = rows.iter().find(|r| r.event == EVENT_SNAPSHOT_PLAN) else { return Ok((Some(s), 0, vec![])) };
+    let plan = match rows.iter().find(|r| r.event == EVENT_SNAPSHOT_PLAN) {
+        Some(p) => p,
+        // Not planned yet: the first backfill writes the plan before any chunk.
+        None if recorded_count == 0 => return Ok((Some(s), 0, vec![])),
+        None => return Err(missing("the snapshot has no plan row")),
+    };
     let plan: PlanPayload = serde_json::from_value(plan.detail.clone()).map_err(|e| StepError::Internal(format!("plan row: {e}")))?;
     let mut chunks: Vec<ChunkPayload> = Vec::new();
-    for r in rows.iter().filter(|r| r.event == EVENT_SNAPSHOT_CHUNK) {
-        let (Some(c), Some(w)) = (r.chunk, r.wave) else { continue };
-        if recorded.get(&w).is_some_and(|cs| cs.contains(&c)) {
+    for (w, cs) in &recorded {
+        for c in cs {
+            let Some(r) = rows.iter().find(|r| r.event == EVENT_SNAPSHOT_CHUNK && r.chunk == Some(*c) && r.wave == Some(*w)) else {
+                return Err(missing(&format!("chunk {c} of wave {w} has no row")));
+            };
             chunks.push(serde_json::from_value(r.detail.clone()).map_err(|e| StepError::Internal(format!("chunk {c}'s plans row: {e}")))?);
         }
     }
@@ -639,7 +672,7 @@ async fn chunk_checks(ctx: &Context, facts: &[FactRow]) -> StepResult<(Option<Ls
             bronze_chunks.insert(c.value(i), (n.value(i), lo.value(i).to_string(), hi.value(i).to_string()));
         }
     }
-    let diffs = check_chunks(s, &plan, &chunks, &bronze_chunks);
+    let diffs = check_chunks(s, &plan, &chunks, &bronze_chunks, completed);
     Ok((Some(s), chunks.len(), diffs))
 }
 
@@ -836,8 +869,11 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     let source_max = ctx.source.max_lsn().await?;
     let st = state::load(ctx).await?;
     // A heap's rows are told apart by all their values: what is in flight is a row's hash.
+    // Before-images are read for keyed tables too: a key respelled in place
+    // (`k1` to `K1` under its collation) names its old form only in op 3, and
+    // that old form is what silver still holds.
     let (flight_cols, id, filter): (&[ColumnDesc], fn(&[SqlValue]) -> String, RowFilter) =
-        if is_heap { (&columns, row_hash, RowFilter::AllUpdateOld) } else { (&keys, key_text, RowFilter::All) };
+        if is_heap { (&columns, row_hash, RowFilter::AllUpdateOld) } else { (&keys, key_text, RowFilter::AllUpdateOld) };
     let mut in_flight = bronze_changed_keys(&ctx.bronze, flight_cols, applied, id).await?;
     in_flight.extend(change_table_keys(ctx, &instances, flight_cols, st.position(), source_max, filter, id).await?);
     let mut diffs: Vec<Difference> = Vec::new();
@@ -1035,21 +1071,27 @@ mod tests {
             isolation: Default::default(),
         };
         let stamp = Lsn::from_u128(101);
-        let chunk = |c: i64, lo, hi, rows| ChunkPayload { chunk: c, wave: 0, lo, hi, last: c == 2, rows, stamp, max_lsn: stamp, read_ms: None, rounds: 1, bronze_version: None };
+        let chunk = |c: i64, lo, hi, rows| ChunkPayload { chunk: c, wave: 0, lo, hi, last: c == 2, rows, stamp, max_lsn: stamp, read_ms: None, read_bytes: None, rounds: 1, bronze_version: None };
         let good = vec![chunk(0, None, b(10), 5), chunk(1, b(10), b(20), 4), chunk(2, b(20), None, 0)];
         let bronze: BTreeMap<i64, (i64, String, String)> = [(0, (5, stamp.to_hex(), stamp.to_hex())), (1, (4, stamp.to_hex(), stamp.to_hex()))].into();
-        assert!(check_chunks(s, &plan, &good, &bronze).is_empty());
+        assert!(check_chunks(s, &plan, &good, &bronze, true).is_empty());
         let mut moved = good.clone();
         moved[1].lo = b(12);
-        let d = check_chunks(s, &plan, &moved, &bronze);
+        let d = check_chunks(s, &plan, &moved, &bronze, true);
         assert!(d.iter().all(|d| d.class == CHUNK_TILING) && d.len() == 2, "{d:?}");
         let mut fewer = bronze.clone();
         fewer.insert(1, (3, stamp.to_hex(), Lsn::from_u128(102).to_hex()));
-        let d = check_chunks(s, &plan, &good, &fewer);
+        let d = check_chunks(s, &plan, &good, &fewer, true);
         let classes: Vec<&str> = d.iter().map(|d| d.class).collect();
         assert_eq!(classes, vec![CHUNK_ROWS, CHUNK_STAMP]);
         let mut early = good.clone();
         early[0].stamp = Lsn::from_u128(99);
-        assert!(check_chunks(s, &plan, &early, &bronze).iter().any(|d| d.class == CHUNK_STAMP));
+        assert!(check_chunks(s, &plan, &early, &bronze, true).iter().any(|d| d.class == CHUNK_STAMP));
+        // A completed snapshot that never recorded chunk 1 has a hole; an open one is only not done yet.
+        let holed = vec![good[0].clone(), good[2].clone()];
+        let d = check_chunks(s, &plan, &holed, &bronze, true);
+        assert!(d.iter().any(|d| d.class == CHUNK_TILING && d.chunk == Some(1)), "{d:?}");
+        let open: Vec<_> = check_chunks(s, &plan, &holed, &bronze, false).into_iter().filter(|d| d.class == CHUNK_TILING).collect();
+        assert!(open.is_empty(), "{open:?}");
     }
 }

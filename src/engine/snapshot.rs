@@ -429,6 +429,13 @@ where
 }
 
 /// Writes the snapshot's completion row (`bootstrap` or `resnapshot`), once per generation.
+///
+/// The row has no batch id and min = max = S. adr-0018 leaves its row count
+/// and read time empty when a run reuses a snapshot an earlier, crashed run
+/// committed to bronze; here the count is taken from that bronze commit's
+/// metadata instead (its `rows`), so the row says how many rows the snapshot
+/// holds whichever run finished it. Only the read time stays empty on reuse:
+/// this run did not read.
 #[allow(clippy::too_many_arguments)]
 async fn write_completion(
     ctx: &mut Context,

@@ -184,6 +184,8 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
         if let Some(r) = super::switch::ensure_open_on_switch(ctx).await? {
             result.snapshots_on_switch.push(r);
             st = state::load(ctx).await?;
+            position = st.position().ok_or_else(|| StepError::Internal("the stream lost its position".into()))?;
+            result.position = Some(position);
         }
     }
     // The call reads up to the max LSN it found when it started: a writer that
@@ -259,6 +261,20 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
                 }
             },
         };
+        // A batch's id and its `from` must come from one outcome: the id
+        // follows the newest batch bronze or the facts hold, `from` follows
+        // the facts' end. Bronze ahead of the facts means another call
+        // committed a batch whose facts row this call has not read (its
+        // state was loaded between that call's two commits); reading on
+        // from the facts' end would cover that batch's range a second time
+        // under the next id. The next call repairs the facts row first.
+        if let Some(ahead) = st.batch_to_repair() {
+            return Err(StepError::Temporary(format!(
+                "batch {ahead} of {} was committed by another call while this one ran: call again",
+                st.generation_app_id
+            )));
+        }
+        debug_assert_eq!(Some(position), st.position(), "the stream's position is the facts' end");
         let batch_id = st.next_batch_id();
         match run_batch(ctx, &st, batch_id, from, to_max, max, &mut skips, &switch_events).await? {
             BatchOutcome::Committed(fact) => {
@@ -272,6 +288,8 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
                     if let Some(r) = super::switch::ensure_open_on_switch(ctx).await? {
                         result.snapshots_on_switch.push(r);
                         st = state::load(ctx).await?;
+                        position = st.position().ok_or_else(|| StepError::Internal("the stream lost its position".into()))?;
+                        result.position = Some(position);
                     }
                 }
             }
@@ -606,7 +624,7 @@ async fn run_batch(
 ) -> StepResult<BatchOutcome> {
     let started = Instant::now();
     let limit = ctx.workflow.stream.max_batch_rows;
-    let filter = ctx.workflow.stream.row_filter.into();
+    let filter = ctx.row_filter();
     let bronze_schema = ctx.bronze_schema()?;
     let mut stream = match ctx.source.changes(&ctx.instance, from, to_max, filter, limit.min(8_192)).await {
         Ok(s) => s,

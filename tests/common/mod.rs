@@ -165,7 +165,7 @@ impl Scenario {
     pub async fn verify(&self) -> Comparison {
         let mut ctx = self.context().await.unwrap();
         let st = engine::state::load(&mut ctx).await.unwrap();
-        let keys = ctx.snapshot_keys();
+        let keys = if ctx.instance.index_columns.is_empty() { ctx.snapshot_keys() } else { ctx.instance.index_columns.clone() };
         let image = rebuild::rebuild(&ctx.bronze, &ctx.instance.columns, &keys, st.snapshot).await.unwrap();
         rebuild::compare_with_source(ctx.source.as_ref(), &self.table, &ctx.instance.columns, &keys, &image).await.unwrap()
     }

@@ -25,7 +25,7 @@ use crate::error::{StepError, StepResult};
 use crate::lsn::Lsn;
 use crate::source::KeyRange;
 use crate::types::{key_cmp, value_at, Key};
-use crate::workflow::RowFilterOption;
+use crate::source::RowFilter;
 
 /// Whether silver keeps this capture instance as a heap: it has no unique
 /// index (`index_column_list` is empty). `snapshot.keys` does not change
@@ -58,7 +58,7 @@ pub fn check_options(ctx: &Context) -> StepResult<()> {
             )));
         }
     }
-    if ctx.workflow.stream.row_filter == RowFilterOption::AllUpdateOld {
+    if ctx.row_filter() == RowFilter::AllUpdateOld {
         return Ok(());
     }
     Err(StepError::Config(format!(
@@ -433,6 +433,7 @@ mod tests {
             stamp: lsn(stamp),
             max_lsn: lsn(stamp),
             read_ms: None,
+            read_bytes: None,
             rounds: 1,
             bronze_version: None,
         }
