@@ -396,3 +396,41 @@ fn an_empty_wave_and_one_with_rows_for_the_same_wave_have_one_outcome() {
     assert_eq!(code_empty, 0, "the empty wave won bronze's txn: {j_empty}\n{err_empty}");
     assert_eq!(code_rows, 75, "the call with rows lost it: {j_rows}\n{err_rows}");
 }
+
+/// A call whose state is read between another call's two commits of a
+/// batch (bronze, then facts) sees bronze one batch ahead of the facts. It
+/// must not read on from the facts' end under the next id: before the fix it
+/// did, and that batch's changes were written to bronze a second time as the
+/// next batch. Found by the torture tester; here two sleep failpoints hold
+/// the window open: A sleeps after each bronze commit, and C's third state
+/// read (after its bootstrap check and its first read, which repairs the
+/// facts row of A's first batch) sleeps between the facts and bronze.
+#[test]
+fn a_call_that_sees_bronze_ahead_of_the_facts_reads_no_batch_twice() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut s = Scenario::new(20, "[snapshot]\nbootstrap = true\nmode = \"full\"\n[stream]\nmax_batch_rows = 2\n");
+    for _ in 0..5 {
+        if ok(&s, &["stream"])["caught_up"] == true {
+            break;
+        }
+    }
+    s.changes(8);
+    s.db.capture().unwrap();
+    let mut a = Running::spawn(&s, &["stream"], "stream.after_bronze=sleep(4000)");
+    a.wait_for("batch read");
+    // A commits its first batch to bronze right after the read, then sleeps.
+    std::thread::sleep(Duration::from_millis(1000));
+    let mut c = Running::spawn(&s, &["stream"], "state.between_facts_and_bronze=2*off->1*sleep(6000)->off");
+    c.wait_for("without its facts row");
+    let (code_c, j_c, err_c) = c.finish();
+    let (code_a, j_a, err_a) = a.finish();
+    for _ in 0..10 {
+        if ok(&s, &["stream"])["caught_up"] == true {
+            break;
+        }
+    }
+    assert_one_outcome_per_batch(&rt, &s);
+    assert_eq!(code_a, 0, "{j_a}\n{err_a}");
+    assert_eq!(code_c, 75, "the call that saw bronze ahead reads nothing and is called again: {j_c}\n{err_c}");
+    assert!(j_c["error"].as_str().unwrap_or_default().contains("committed by another call while this one ran"), "{j_c}");
+}

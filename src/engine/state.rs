@@ -150,6 +150,11 @@ pub async fn facts_rows(facts: &deltalake::DeltaTable, app_id: &str) -> StepResu
 /// Loads the stream's state (reloading both tables first).
 pub async fn load(ctx: &mut super::Context) -> StepResult<StreamState> {
     ctx.facts.update_state().await.map_err(crate::error::StepError::delta(&ctx.workflow.target.facts))?;
+    // The facts are read before bronze, so a batch another call commits in
+    // between shows as bronze ahead of the facts (never the other way
+    // round): the stream's guard relies on that. A race test widens the
+    // window here (a sleep); not a commit boundary, not in `FAILPOINTS`.
+    crate::failpoint!("state.between_facts_and_bronze");
     ctx.bronze.update_state().await.map_err(crate::error::StepError::delta(&ctx.workflow.target.bronze))?;
     let rows = facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
     let generation = generation_of(&rows);
