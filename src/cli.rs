@@ -93,10 +93,6 @@ pub enum Command {
         /// Run every call in process (no child processes killed with SIGKILL).
         #[arg(long)]
         no_kill: bool,
-        /// Let heap schedules draw capture lag too (a known defect: see the
-        /// torture module's docs; off so that a clean run means no new failure).
-        #[arg(long)]
-        heap_capture_lag: bool,
     },
 }
 
@@ -332,9 +328,9 @@ pub async fn run(cli: Cli) -> Result<(Value, i32), StepError> {
             Ok((v, EXIT_OK))
         }
         Command::Bench(cmd) => Ok((crate::bench::run(cmd).await?, EXIT_OK)),
-        Command::Torture { seed, schedules, events, dir, no_kill, heap_capture_lag } => {
+        Command::Torture { seed, schedules, events, dir, no_kill } => {
             let binary = if no_kill { None } else { std::env::current_exe().ok() };
-            let args = crate::torture::TortureArgs { seed, schedules, events, binary, dir, heap_capture_lag };
+            let args = crate::torture::TortureArgs { seed, schedules, events, binary, dir };
             // Each call of a schedule runs on a runtime of its own (a crash
             // shuts it down), so the schedules run on a thread outside this one.
             let driver = std::thread::spawn(move || crate::torture::run(&args));

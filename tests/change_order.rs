@@ -300,3 +300,29 @@ fn errors_601_and_3961_exit_75_and_the_rerun_goes_on() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(assert_silver_is_the_table(&s, "after the retried reads"));
 }
+
+const CHUNKED: &str = "silver = \"silver\"\n[snapshot]\nbootstrap = true\nmode = \"chunked\"\nchunk_rows = 10\nparallelism = 2\n\
+                       target_wave_seconds = 0\n[reconcile]\nbuckets = 8\nsample_fraction = 1.0\n[stream]\nmax_batch_rows = 1000\n";
+
+/// A chunk read that fails part-way with a transient server error (1222, a
+/// lock timeout behind a writer) is read again within the same `backfill`
+/// call: exit 0, every chunk once, silver equal to the table. (Without the
+/// chunk retry the call exits 75.)
+#[test]
+fn a_chunk_read_that_fails_transiently_is_read_again_in_the_same_call() {
+    let s = Scenario::new(60, CHUNKED);
+    let out = cli(&s, "stream");
+    assert_eq!(out.status.code(), Some(0), "{}", last_json(&out));
+    s.db.inject_server_error(FaultOn::Snapshot, 3, 2, 1222).unwrap();
+    let out = cli(&s, "backfill");
+    let j = last_json(&out);
+    assert_eq!(out.status.code(), Some(0), "{j}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(j["done"], true, "{j}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("reading it again"), "the retry is logged");
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let snapshot_rows = rt.block_on(bronze_i64(&s, "SELECT COUNT(*) FROM t WHERE _operation = 0"));
+    assert_eq!(snapshot_rows, 60, "each row read once, though two reads failed part-way");
+    let out = cli(&s, "apply");
+    assert_eq!(out.status.code(), Some(0), "{}", last_json(&out));
+    rt.block_on(assert_silver_is_the_table(&s, "after the chunk reads read again"));
+}

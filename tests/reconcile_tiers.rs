@@ -64,6 +64,9 @@ impl CdcSource for Spy {
     async fn snapshot_read(&self, read: &SnapshotRead) -> Result<BatchStream, SourceError> {
         self.inner.snapshot_read(read).await
     }
+    async fn snapshot_read_fenced(&self, read: &SnapshotRead) -> Result<mssql_cdc::source::FencedRead, SourceError> {
+        self.inner.snapshot_read_fenced(read).await
+    }
     async fn key_extent(&self, t: &TableName, keys: &[String], iso: Isolation) -> Result<Option<(Key, Key)>, SourceError> {
         self.inner.key_extent(t, keys, iso).await
     }

@@ -27,7 +27,6 @@ fn share(index: u32) {
         events: 12,
         binary: Some(env!("CARGO_BIN_EXE_mssql-cdc").into()),
         dir: None,
-        heap_capture_lag: false,
     };
     let report = torture::run(&args);
     eprintln!("torture share {index}: {}", serde_json::to_string(&report).unwrap());

@@ -73,12 +73,22 @@
 //! once that chunk is read. A completed snapshot rebuilds the whole multiset
 //! and deletes the rest.
 //!
-//! What the count cannot know: a row a snapshot read although it was
-//! committed after the chunk's stamp (or the full snapshot's S) is counted
-//! twice, once read and once as a change, since nothing ties a heap's change
-//! to a row (a keyed silver only replays such a change). Reconcile finds it
-//! (a row with another count than the table's); a new snapshot read while
-//! no writer touches the table avoids it.
+//! The stamp alone is not enough for a count. The capture job runs behind
+//! the log, so a commit can be in the table when a chunk is read and still
+//! be missing from the change tables: its change row then comes after the
+//! stamp, and counting it would count the row twice (a keyed silver only
+//! replays such a change; a heap's change is tied to no row). So a heap's
+//! chunks, and its full snapshot (read as one range), are read **fenced**
+//! (`CdcSource::snapshot_read_fenced`): under a shared table lock, ending
+//! with the server's clock read between two guards. The read holds exactly
+//! the commits that ended at or before that fence; an image counts only
+//! when its commit's `tran_end_time` (bronze's `_commit_ts`) is after it.
+//! Times, not LSNs, because the capture job may not have reached the fence
+//! when the read ends, and waiting for it would stall on a quiet database;
+//! the change rows carry their commit times whenever they come. The fence
+//! is recorded with the chunk (plans row, bronze commit) or the full
+//! snapshot's completion row. A seed has no fence: its copy's point in time
+//! is its own rule.
 
 pub mod heap;
 
@@ -1025,6 +1035,7 @@ mod tests {
             read_bytes: None,
             rounds: 1,
             bronze_version: None,
+            fence: None,
         };
         let p = range_delete_predicate(&ts, std::slice::from_ref(&c)).unwrap();
         assert!(p.contains(">= CAST('2026-01-02T03:04:05.123457' AS TIMESTAMP)"), "a lower bound inside a microsecond moves up: {p}");

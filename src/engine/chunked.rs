@@ -361,6 +361,13 @@ pub struct ChunkPayload {
     /// Rounds of `parallelism` chunks in the wave (its pace is read_ms / rounds).
     pub rounds: u32,
     pub bronze_version: Option<i64>,
+    /// A heap's chunk only: the fence of its read (`CdcSource::snapshot_read_fenced`),
+    /// in UTC. The chunk holds exactly the table's commits that ended at or
+    /// before it; its heap silver counts a later change image only when the
+    /// image's commit ended after it (see `engine::apply::heap`). None for a
+    /// keyed table's chunk, whose rank rule needs no more than the stamp.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fence: Option<DateTime<Utc>>,
 }
 
 fn chunk_key(s: Lsn) -> String {
@@ -892,7 +899,7 @@ impl Sink {
                 "rows": w.rows,
                 "chunks": w.chunks.iter().map(|c| json!({
                     "chunk": c.chunk, "lo": c.lo, "hi": c.hi, "last": c.last, "rows": c.rows,
-                    "stamp": c.stamp, "max_lsn": c.max_lsn, "rounds": c.rounds,
+                    "stamp": c.stamp, "max_lsn": c.max_lsn, "rounds": c.rounds, "fence": c.fence,
                 })).collect::<Vec<_>>(),
             });
             match delta::commit_adds(&mut self.bronze, std::mem::take(&mut w.adds), &txn, meta).await? {
@@ -973,6 +980,7 @@ impl Sink {
                         read_bytes: None,
                         rounds: 1,
                         bronze_version: r.bronze_version,
+                        fence: None,
                     })
                 })
                 .collect();
@@ -1105,6 +1113,7 @@ async fn chunks_from_bronze(bronze_table: &DeltaTable, s: Lsn, wave: i64, plan: 
             read_bytes: None,
             rounds: 1,
             bronze_version: None,
+            fence: None,
         })
         .collect())
 }
@@ -1245,6 +1254,15 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
                         .collect()
                 })
                 .unwrap_or_default(),
+            None if ctx.instance.index_columns.is_empty() => {
+                // A heap's chunks count later changes against their fences,
+                // which only the commit's metadata holds.
+                return Err(StepError::NeedsPerson(format!(
+                    "bronze records wave {w} of the chunked snapshot at {} of a table without a unique index, but the wave's \
+                     commit (which holds its chunks' read fences) is no longer in the log: open a new snapshot (a new generation)",
+                    o.s
+                )));
+            }
             None => {
                 let first = plan.chunks.iter().map(|c| c.chunk).find(|c| !sink.done.contains(c)).unwrap_or(0);
                 tracing::warn!(wave = w, "the wave's bronze commit is no longer in the log: rebuilding its facts from its rows in bronze");
@@ -1325,6 +1343,8 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         },
         capture_instance: ctx.instance.name.clone(),
         s: o.s,
+        fenced: ctx.instance.index_columns.is_empty(),
+        zone: ctx.zone.clone(),
     };
     let mut readers = Vec::with_capacity(parallelism);
     for _ in 0..parallelism {
@@ -1340,12 +1360,12 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
             ReadEvent::WaveStarted { wave, chunks, stamp, stamp_ts, rounds, at } => {
                 waves.insert(wave, WaveAcc { expected: chunks, stamp, stamp_ts, rounds, started: at, chunks: Vec::new(), adds: Vec::new(), rows: 0, ended: at });
             }
-            ReadEvent::ChunkRead { wave, chunk, rows, read_ms, read_bytes, adds, ended } => {
+            ReadEvent::ChunkRead { wave, chunk, rows, read_ms, read_bytes, fence, adds, ended } => {
                 if let Some(acc) = waves.get_mut(&wave) {
                     acc.rows += rows;
                     acc.adds.extend(adds);
                     acc.ended = acc.ended.max(ended);
-                    acc.chunks.push((chunk, rows, read_ms, read_bytes));
+                    acc.chunks.push((chunk, rows, read_ms, read_bytes, fence));
                 }
             }
             ReadEvent::Failed(e) => {
@@ -1405,7 +1425,7 @@ enum ReadEvent {
     /// A wave was stamped and its chunks queued.
     WaveStarted { wave: i64, chunks: usize, stamp: Lsn, stamp_ts: Option<DateTime<Utc>>, rounds: u32, at: Instant },
     /// One chunk is read and its data files written.
-    ChunkRead { wave: i64, chunk: PlannedChunk, rows: i64, read_ms: i64, read_bytes: i64, adds: Vec<deltalake::kernel::Add>, ended: Instant },
+    ChunkRead { wave: i64, chunk: PlannedChunk, rows: i64, read_ms: i64, read_bytes: i64, fence: Option<DateTime<Utc>>, adds: Vec<deltalake::kernel::Add>, ended: Instant },
     Failed(StepError),
 }
 
@@ -1417,7 +1437,7 @@ struct WaveAcc {
     rounds: u32,
     #[allow(dead_code)]
     started: Instant,
-    chunks: Vec<(PlannedChunk, i64, i64, i64)>,
+    chunks: Vec<(PlannedChunk, i64, i64, i64, Option<DateTime<Utc>>)>,
     adds: Vec<deltalake::kernel::Add>,
     rows: i64,
     ended: Instant,
@@ -1429,7 +1449,7 @@ impl WaveAcc {
         let chunks = self
             .chunks
             .into_iter()
-            .map(|(c, rows, ms, bytes)| ChunkPayload {
+            .map(|(c, rows, ms, bytes, fence)| ChunkPayload {
                 chunk: c.chunk,
                 wave,
                 lo: c.lo,
@@ -1442,6 +1462,7 @@ impl WaveAcc {
                 read_bytes: Some(bytes),
                 rounds: self.rounds,
                 bronze_version: None,
+                fence,
             })
             .collect();
         WaveRead { wave, chunks, adds: self.adds, rows: self.rows, read_ended: self.ended, stamp_ts: self.stamp_ts }
@@ -1579,6 +1600,10 @@ struct ChunkReader {
     base: SnapshotRead,
     capture_instance: String,
     s: Lsn,
+    /// Read chunks fenced: the table is a heap.
+    fenced: bool,
+    /// The server's zone, for the fence.
+    zone: crate::source::ServerZone,
 }
 
 impl ChunkReader {
@@ -1594,15 +1619,43 @@ impl ChunkReader {
                     return;
                 }
             };
-            match self.read(&item).await {
-                Ok(ChunkReadOutcome { rows, read_ms, read_bytes, adds }) => {
-                    let _ = events.send(ReadEvent::ChunkRead { wave: item.wave, chunk: item.chunk, rows, read_ms, read_bytes, adds, ended: Instant::now() });
+            match self.read_retrying(&item).await {
+                Ok(ChunkReadOutcome { rows, read_ms, read_bytes, fence, adds }) => {
+                    let _ = events.send(ReadEvent::ChunkRead { wave: item.wave, chunk: item.chunk, rows, read_ms, read_bytes, fence, adds, ended: Instant::now() });
                 }
                 Err(e) => {
                     coordinator.lock().await.failed = true;
                     let _ = events.send(ReadEvent::Failed(e));
                     return;
                 }
+            }
+        }
+    }
+
+    /// [`ChunkReader::read`], again after a transient failure (a dropped
+    /// connection, a lock timeout behind a writer, a deadlock victim), with
+    /// backoff for up to a minute. A chunk read is idempotent: the failed
+    /// attempt's data files are never committed, the stamp was read before
+    /// the first attempt's SELECT (so before every later one's too), and a
+    /// fenced read takes its own fence each time.
+    async fn read_retrying(&self, item: &WorkItem) -> StepResult<ChunkReadOutcome> {
+        use backoff::backoff::Backoff;
+        let mut schedule = backoff::ExponentialBackoff {
+            initial_interval: Duration::from_millis(200),
+            max_interval: Duration::from_secs(10),
+            max_elapsed_time: Some(Duration::from_secs(60)),
+            ..backoff::ExponentialBackoff::default()
+        };
+        loop {
+            match self.read(item).await {
+                Err(StepError::Source(crate::source::SourceError::Transient(msg))) => match schedule.next_backoff() {
+                    Some(wait) => {
+                        tracing::warn!(chunk = item.chunk.chunk, wave = item.wave, ?wait, "reading the chunk failed, reading it again: {msg}");
+                        tokio::time::sleep(wait).await;
+                    }
+                    None => return Err(StepError::Source(crate::source::SourceError::Transient(msg))),
+                },
+                other => return other,
             }
         }
     }
@@ -1620,7 +1673,14 @@ impl ChunkReader {
             capture_instance: self.capture_instance.clone(),
             chunk: Some(item.chunk.chunk),
         };
-        let mut stream = self.source.snapshot_read(&read).await?;
+        // A heap's chunk is read fenced (the lock makes it exact at its
+        // fence: see engine::apply::heap); a keyed table's is not locked.
+        let (mut stream, fence) = if self.fenced {
+            let f = self.source.snapshot_read_fenced(&read).await?;
+            (f.batches, Some(f.fence))
+        } else {
+            (self.source.snapshot_read(&read).await?, None)
+        };
         let mut rows = 0i64;
         let mut read_bytes = 0i64;
         while let Some(b) = stream.next().await {
@@ -1632,8 +1692,12 @@ impl ChunkReader {
             read_bytes += b.get_array_memory_size() as i64;
             writer.write(bronze::from_snapshot(&b, &self.schema, &stamp)?).await.map_err(StepError::delta(&label))?;
         }
+        let fence = match fence {
+            Some(f) => Some(self.zone.fence_to_utc(f.await?)?),
+            None => None,
+        };
         let adds = writer.flush().await.map_err(StepError::delta(&label))?;
-        Ok(ChunkReadOutcome { rows, read_ms: t0.elapsed().as_millis() as i64, read_bytes, adds })
+        Ok(ChunkReadOutcome { rows, read_ms: t0.elapsed().as_millis() as i64, read_bytes, fence, adds })
     }
 }
 
@@ -1643,6 +1707,8 @@ struct ChunkReadOutcome {
     rows: i64,
     read_ms: i64,
     read_bytes: i64,
+    /// A fenced read's fence, in UTC.
+    fence: Option<DateTime<Utc>>,
     adds: Vec<deltalake::kernel::Add>,
 }
 
@@ -1855,6 +1921,7 @@ mod tests {
                 read_bytes: None,
                 rounds: 1,
                 bronze_version: None,
+                fence: None,
             })
             .collect();
         assert_eq!(got, want);

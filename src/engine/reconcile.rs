@@ -1071,7 +1071,7 @@ mod tests {
             isolation: Default::default(),
         };
         let stamp = Lsn::from_u128(101);
-        let chunk = |c: i64, lo, hi, rows| ChunkPayload { chunk: c, wave: 0, lo, hi, last: c == 2, rows, stamp, max_lsn: stamp, read_ms: None, read_bytes: None, rounds: 1, bronze_version: None };
+        let chunk = |c: i64, lo, hi, rows| ChunkPayload { chunk: c, wave: 0, lo, hi, last: c == 2, rows, stamp, max_lsn: stamp, read_ms: None, read_bytes: None, rounds: 1, bronze_version: None, fence: None };
         let good = vec![chunk(0, None, b(10), 5), chunk(1, b(10), b(20), 4), chunk(2, b(20), None, 0)];
         let bronze: BTreeMap<i64, (i64, String, String)> = [(0, (5, stamp.to_hex(), stamp.to_hex())), (1, (4, stamp.to_hex(), stamp.to_hex()))].into();
         assert!(check_chunks(s, &plan, &good, &bronze, true).is_empty());

@@ -176,6 +176,8 @@ pub struct CommittedFull {
     pub bronze_version: i64,
     pub s: Lsn,
     pub rows: i64,
+    /// A heap's read fence, as the commit recorded it.
+    pub fence: Option<DateTime<Utc>>,
 }
 
 /// The full snapshot bronze holds for generation `generation` (txn
@@ -201,7 +203,8 @@ pub async fn committed_full(ctx: &Context, generation: i32) -> StepResult<Option
         StepError::Internal(format!("bronze commit {version} lacks its snapshot LSN"))
     })?;
     let rows = meta.get("rows").and_then(Value::as_i64).unwrap_or(0);
-    Ok(Some(CommittedFull { generation, bronze_version: version, s, rows }))
+    let fence = meta.get("fence").and_then(|f| serde_json::from_value::<DateTime<Utc>>(f.clone()).ok());
+    Ok(Some(CommittedFull { generation, bronze_version: version, s, rows, fence }))
 }
 
 /// The newest generation bronze holds a full snapshot commit for
@@ -224,7 +227,7 @@ pub async fn finish_committed(ctx: &mut Context, generation: i32, kind: &str, ga
 /// Writes the completion row of a committed full snapshot (see [`finish_committed`]).
 pub async fn complete_committed(ctx: &mut Context, c: &CommittedFull, kind: &str, gap: Option<Gap>) -> StepResult<SnapshotResult> {
     tracing::warn!(snapshot = %c.s, generation = c.generation, "bronze holds a full snapshot without its completion row (a crash between the two): writing it now");
-    write_completion(ctx, c.generation, kind, c.s, c.rows, Some(c.bronze_version), None, gap).await?;
+    write_completion(ctx, c.generation, kind, c.s, c.rows, Some(c.bronze_version), None, gap, c.fence).await?;
     Ok(SnapshotResult { step: "snapshot", snapshot_lsn: c.s, rows: c.rows, already_done: true, ranges: 0, duration_ms: 0 })
 }
 
@@ -311,7 +314,12 @@ pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Opti
     }
 
     let keys = ctx.snapshot_keys();
-    let ranges = plan_ranges(ctx, &keys).await?;
+    // A heap is read in one fenced read (one lock, one fence): its silver
+    // counts a change after S only when the change's commit ended after the
+    // fence (engine::apply::heap), which needs one fence for the whole table.
+    let fenced = ctx.instance.index_columns.is_empty();
+    let ranges = if fenced { vec![KeyRange::all()] } else { plan_ranges(ctx, &keys).await? };
+    let fence_read = std::sync::Arc::new(std::sync::Mutex::new(None::<DateTime<Utc>>));
     let n_ranges = ranges.len();
     tracing::info!(snapshot = %s, ranges = n_ranges, generation, kind, "reading the table for a full snapshot");
     let stamp = SnapshotStamp { snapshot: s, start_lsn: s, commit_ts, capture_instance: ctx.instance.name.clone(), chunk: None };
@@ -331,8 +339,14 @@ pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Opti
         let tx = tx.clone();
         let stamp = stamp.clone();
         let schema = bronze_schema.clone();
+        let (zone, fence_read) = (ctx.zone.clone(), fence_read.clone());
         readers.push(tokio::spawn(async move {
-            let mut stream = match source.snapshot_read(&read).await {
+            let opened = if fenced {
+                source.snapshot_read_fenced(&read).await.map(|f| (f.batches, Some(f.fence)))
+            } else {
+                source.snapshot_read(&read).await.map(|s| (s, None))
+            };
+            let (mut stream, fence) = match opened {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = tx.send(Err(e.into())).await;
@@ -344,6 +358,15 @@ pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Opti
                 let failed = item.is_err();
                 if tx.send(item).await.is_err() || failed {
                     return;
+                }
+            }
+            // The fence is in before this sender goes, so before the commit's metadata is written.
+            if let Some(f) = fence {
+                match f.await.and_then(|local| zone.fence_to_utc(local)) {
+                    Ok(at) => *fence_read.lock().expect("lock") = Some(at),
+                    Err(e) => {
+                        let _ = tx.send(Err(e.into())).await;
+                    }
                 }
             }
         }));
@@ -381,7 +404,7 @@ pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Opti
     // The row count is only known after the read, so the metadata names the
     // snapshot and the count is recorded from the stream as it passes.
     let meta = json!({"kind": "snapshot", "mode": "full", "snapshot_lsn": s, "generation": generation, "event": kind, "capture_instance": ctx.instance.name});
-    let appended = append_counted(ctx, rows_stream, bronze_schema, &snap_txn, meta, counted.clone()).await;
+    let appended = append_counted(ctx, rows_stream, bronze_schema, &snap_txn, meta, counted.clone(), fence_read.clone()).await;
     for r in readers {
         let _ = r.await;
     }
@@ -400,7 +423,8 @@ pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Opti
     };
     failpoint!("snapshot.after_bronze");
     let duration_ms = started.elapsed().as_millis() as i64;
-    write_completion(ctx, generation, kind, s, rows, bronze_version, Some(duration_ms), gap).await?;
+    let fence = *fence_read.lock().expect("lock");
+    write_completion(ctx, generation, kind, s, rows, bronze_version, Some(duration_ms), gap, fence).await?;
     failpoint!("snapshot.after_event");
     tracing::info!(snapshot = %s, rows, duration_ms, generation, kind, "full snapshot complete");
     Ok(SnapshotResult { step: "snapshot", snapshot_lsn: s, rows, already_done: false, ranges: n_ranges, duration_ms })
@@ -416,6 +440,7 @@ async fn append_counted<S>(
     txn: &Txn,
     meta: Value,
     counted: std::sync::Arc<std::sync::atomic::AtomicI64>,
+    fence: std::sync::Arc<std::sync::Mutex<Option<DateTime<Utc>>>>,
 ) -> StepResult<Appended>
 where
     S: futures::Stream<Item = StepResult<RecordBatch>> + Send,
@@ -423,6 +448,9 @@ where
     delta::append_idempotent_with(&mut ctx.bronze, batches, schema, txn, move || {
         let mut m = meta.clone();
         m["rows"] = json!(counted.load(std::sync::atomic::Ordering::Relaxed));
+        if let Some(f) = *fence.lock().expect("lock") {
+            m["fence"] = json!(f);
+        }
         m
     })
     .await
@@ -446,6 +474,7 @@ async fn write_completion(
     bronze_version: Option<i64>,
     duration_ms: Option<i64>,
     gap: Option<Gap>,
+    fence: Option<DateTime<Utc>>,
 ) -> StepResult<()> {
     let mut row = ctx.fact_row(generation);
     row.event = Some(kind.into());
@@ -458,7 +487,12 @@ async fn write_completion(
     row.lost_from_ts = gap.and_then(|g| g.lost_from_ts);
     row.lost_to_ts = gap.and_then(|g| g.lost_to_ts);
     row.retention_watermark_ts = gap.and_then(|g| g.lost_to_ts);
-    row.detail = Some(json!({"mode": "full"}));
+    let mut detail = json!({"mode": "full"});
+    if let Some(f) = fence {
+        // A heap's read fence: its silver counts the changes after it (engine::apply::heap).
+        detail["fence"] = json!(f);
+    }
+    row.detail = Some(detail);
     let txn = Txn::new(format!("{}#events", ctx.workflow.app_id), generation as i64);
     super::stream::append_facts(ctx, vec![row], &txn).await?;
     Ok(())

@@ -32,7 +32,7 @@ use super::sql::{self, KeyCol, LocalConversion, ReadColumn, Statement};
 use super::windows_zones::{iana_to_windows, windows_to_iana};
 use crate::lsn::Lsn;
 use crate::source::{
-    BatchStream, CaptureInstance, CdcSource, ChangeBatchBuilder, Isolation, KeyRange, RowFilter, ServerZone, SnapshotRead,
+    BatchStream, CaptureInstance, CdcSource, ChangeBatchBuilder, Isolation, KeyRange, RowFilter, ServerZone, SnapshotRead, FencedRead,
     SourceError, SourceSecrets, TableInfo, TableName, TimeOp, ZoneKind,
 };
 use crate::types::{BatchBuilder, ColumnDesc, Key, SqlType, SqlValue};
@@ -503,6 +503,8 @@ struct StreamPlan {
     ctx: Ctx,
     sink: Sink,
     batch_rows: usize,
+    /// A fenced read's fence: the one row of the statement's second result set.
+    fence: Option<oneshot::Sender<Result<chrono::NaiveDateTime, SourceError>>>,
 }
 
 type Ready = oneshot::Sender<Result<(), SourceError>>;
@@ -532,6 +534,15 @@ async fn stream_attempt(conn: &mut Conn, plan: &mut StreamPlan, ready: &mut Opti
             if let Some(r) = ready.take() {
                 let _ = r.send(Ok(()));
             }
+        }
+        if row.result_index() > 0 {
+            // A fenced read's fence (sql::snapshot_read_fenced), read under its lock after the rows.
+            let fence: Option<chrono::NaiveDateTime> = row.try_get(0).map_err(|e| (Fail::Tds(e), true))?;
+            let fence = fence.ok_or_else(|| (Fail::Source(SourceError::Other("the fenced read's SYSDATETIME() was NULL".into())), true))?;
+            if let Some(tx) = plan.fence.take() {
+                let _ = tx.send(Ok(fence));
+            }
+            continue;
         }
         plan.sink.push(&row).map_err(|e| (Fail::Source(e), true))?;
         if plan.sink.len() >= plan.batch_rows && out.send(Msg::Batch(Ok(plan.sink.finish()))).await.is_err() {
@@ -711,6 +722,45 @@ impl MssqlSource {
         cached_key_cols(&info, keys).ok_or_else(|| {
             SourceError::Config(format!("the key columns {keys:?} are not all columns of {table} (columns are matched case-insensitively)"))
         })
+    }
+
+    /// A snapshot read (see [`CdcSource::snapshot_read`]), fenced when `fence` is given.
+    async fn table_read(&self, read: &SnapshotRead, fence: Option<oneshot::Sender<Result<chrono::NaiveDateTime, SourceError>>>) -> Result<BatchStream, SourceError> {
+        let info = self.table_info(&read.table).await?;
+        let columns: Vec<ReadColumn> = read
+            .columns
+            .iter()
+            .map(|c| ReadColumn { desc: c.clone(), present: info.columns.iter().any(|t| t.name.eq_ignore_ascii_case(&c.name)) })
+            .collect();
+        let keys: Vec<KeyCol> = read
+            .keys
+            .iter()
+            .map(|k| {
+                read.columns
+                    .iter()
+                    .chain(info.columns.iter())
+                    .find(|c| c.name.eq_ignore_ascii_case(k))
+                    .map(|c| KeyCol { name: c.name.clone(), sql_type: c.sql_type.clone() })
+                    .ok_or_else(|| SourceError::Config(format!("key column '{k}' is not a column of {}", read.table)))
+            })
+            .collect::<Result<_, _>>()?;
+        let stmt = if fence.is_some() {
+            sql::snapshot_read_fenced(&read.table, &columns, &keys, &read.range, crate::source::FENCE_GUARD_MS)
+        } else {
+            sql::snapshot_read(&read.table, &columns, &keys, &read.range)
+        }
+        .map_err(SourceError::Config)?;
+        self.open_stream(StreamPlan {
+            statement: stmt,
+            // A fenced read is a locking read by its hints; it runs at READ
+            // COMMITTED so that no SNAPSHOT session's row versions play a part.
+            isolation: if fence.is_some() { Isolation::ReadCommitted } else { read.isolation },
+            ctx: Ctx::default(),
+            sink: Sink::Rows { builder: BatchBuilder::new(&read.columns), types: read.columns.iter().map(|c| c.sql_type.clone()).collect() },
+            batch_rows: read.batch_rows.max(1),
+            fence,
+        })
+        .await
     }
 
     async fn open_stream(&self, plan: StreamPlan) -> Result<BatchStream, SourceError> {
@@ -942,38 +992,19 @@ impl CdcSource for MssqlSource {
             ctx: Ctx { range: Some((ci.clone(), from, to)) },
             sink: Sink::Changes { builder: ChangeBatchBuilder::new(cols), types: cols.iter().map(|c| c.sql_type.clone()).collect() },
             batch_rows: batch_rows.max(1),
+            fence: None,
         })
         .await
     }
 
     async fn snapshot_read(&self, read: &SnapshotRead) -> Result<BatchStream, SourceError> {
-        let info = self.table_info(&read.table).await?;
-        let columns: Vec<ReadColumn> = read
-            .columns
-            .iter()
-            .map(|c| ReadColumn { desc: c.clone(), present: info.columns.iter().any(|t| t.name.eq_ignore_ascii_case(&c.name)) })
-            .collect();
-        let keys: Vec<KeyCol> = read
-            .keys
-            .iter()
-            .map(|k| {
-                read.columns
-                    .iter()
-                    .chain(info.columns.iter())
-                    .find(|c| c.name.eq_ignore_ascii_case(k))
-                    .map(|c| KeyCol { name: c.name.clone(), sql_type: c.sql_type.clone() })
-                    .ok_or_else(|| SourceError::Config(format!("key column '{k}' is not a column of {}", read.table)))
-            })
-            .collect::<Result<_, _>>()?;
-        let stmt = sql::snapshot_read(&read.table, &columns, &keys, &read.range).map_err(SourceError::Config)?;
-        self.open_stream(StreamPlan {
-            statement: stmt,
-            isolation: read.isolation,
-            ctx: Ctx::default(),
-            sink: Sink::Rows { builder: BatchBuilder::new(&read.columns), types: read.columns.iter().map(|c| c.sql_type.clone()).collect() },
-            batch_rows: read.batch_rows.max(1),
-        })
-        .await
+        self.table_read(read, None).await
+    }
+
+    async fn snapshot_read_fenced(&self, read: &SnapshotRead) -> Result<FencedRead, SourceError> {
+        let (tx, fence) = crate::source::fence_channel();
+        let batches = self.table_read(read, Some(tx)).await?;
+        Ok(FencedRead { batches, fence })
     }
 
     async fn key_extent(&self, table: &TableName, keys: &[String], isolation: Isolation) -> Result<Option<(Key, Key)>, SourceError> {

@@ -457,6 +457,11 @@ pub struct ReadColumn {
 
 /// The rows of one key range. Row order is left to the server.
 pub fn snapshot_read(table: &TableName, columns: &[ReadColumn], keys: &[KeyCol], range: &KeyRange) -> Result<Statement, String> {
+    table_read(table, columns, keys, range, "")
+}
+
+/// The SELECT of a snapshot read, with `hints` (a table hint clause or "") after the table.
+fn table_read(table: &TableName, columns: &[ReadColumn], keys: &[KeyCol], range: &KeyRange, hints: &str) -> Result<Statement, String> {
     let mut p = Params::default();
     let items: Vec<String> = columns
         .iter()
@@ -468,12 +473,35 @@ pub fn snapshot_read(table: &TableName, columns: &[ReadColumn], keys: &[KeyCol],
             }
         })
         .collect();
-    let mut sql = format!("SELECT {} FROM {}", items.join(", "), quote_table(table));
+    let mut sql = format!("SELECT {} FROM {}{hints}", items.join(", "), quote_table(table));
     if let Some(w) = range_condition(keys, range, &mut p)? {
         sql.push_str(" WHERE ");
         sql.push_str(&w);
     }
     Ok(Statement::new(sql, p.0))
+}
+
+/// A fenced snapshot read (`CdcSource::snapshot_read_fenced`): one batch
+/// in one transaction. The rows come under `TABLOCK, HOLDLOCK`, a shared lock
+/// on the whole table taken before the first row is read and held to the
+/// end of the transaction, so no writer of the table commits in between.
+/// `WAITFOR DELAY` then lets `guard_ms` pass, the second result set is the
+/// server's clock, and the guard passes again before `COMMIT` lets the
+/// writers in: every commit of the table ends (`tran_end_time`) more than
+/// the guard before or after the fence. The transaction is opened and closed
+/// inside the one batch (sp_executesql requires the count to balance); a
+/// connection that fails part-way is dropped, which rolls it back.
+pub fn snapshot_read_fenced(table: &TableName, columns: &[ReadColumn], keys: &[KeyCol], range: &KeyRange, guard_ms: u64) -> Result<Statement, String> {
+    let read = table_read(table, columns, keys, range, " WITH (TABLOCK, HOLDLOCK)")?;
+    let sql = read.sql;
+    let delay = format!("'00:00:{:02}.{:03}'", guard_ms / 1000, guard_ms % 1000);
+    Ok(Statement::new(
+        format!(
+            "SET XACT_ABORT ON; BEGIN TRANSACTION; {sql}; WAITFOR DELAY {delay}; \
+             SELECT SYSDATETIME() AS fence; WAITFOR DELAY {delay}; COMMIT TRANSACTION;"
+        ),
+        read.params,
+    ))
 }
 
 fn key_list(keys: &[KeyCol], desc: bool) -> String {
@@ -932,6 +960,7 @@ mod tests {
         golden("snapshot_first", &snapshot_read(&t, &read, &k1, &r(None, Some(vec![SqlValue::Int(100)]))).unwrap());
         golden("snapshot_middle", &snapshot_read(&t, &read, &k1, &r(Some(vec![SqlValue::Int(100)]), Some(vec![SqlValue::Int(200)]))).unwrap());
         golden("snapshot_last", &snapshot_read(&t, &read, &k1, &r(Some(vec![SqlValue::Int(200)]), None)).unwrap());
+        golden("snapshot_fenced", &snapshot_read_fenced(&t, &read, &k1, &r(Some(vec![SqlValue::Int(100)]), Some(vec![SqlValue::Int(200)])), 20).unwrap());
         let lo = vec![SqlValue::Str("nord'".into()), SqlValue::Int(7)];
         let hi = vec![SqlValue::Str("süd".into()), SqlValue::Int(-1)];
         golden("snapshot_composite_first", &snapshot_read(&t, &read, &k2, &r(None, Some(lo.clone()))).unwrap());

@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::lsn::Lsn;
 use crate::source::{
-    BatchStream, CaptureInstance, CdcSource, ChangeBatchBuilder, ChangeRow, Isolation, KeyRange, RowFilter, ServerZone, SnapshotRead,
+    BatchStream, CaptureInstance, CdcSource, ChangeBatchBuilder, ChangeRow, Isolation, KeyRange, RowFilter, ServerZone, SnapshotRead, FencedRead,
     SourceError, TableInfo, TableName, TimeOp,
 };
 use crate::types::{BatchBuilder, Key, SqlValue};
@@ -76,9 +76,65 @@ impl SimSource {
         .map_err(|e| SourceError::Other(format!("simulator task failed: {e}")))?
     }
 
+
+    /// A snapshot read's body (see [`CdcSource::snapshot_read`]), fenced when `fence` is given.
+    async fn table_read(&self, read: &SnapshotRead, fence: Option<oneshot::Sender<Result<NaiveDateTime, SourceError>>>) -> Result<BatchStream, SourceError> {
+        let read = read.clone();
+        // A fenced read takes locks whatever the isolation (HOLDLOCK is SERIALIZABLE's locking read).
+        let isolation = if fence.is_some() { Isolation::ReadCommitted } else { read.isolation };
+        self.stream_with(FaultOn::Snapshot, read.batch_rows, fence, move |conn, path, cfg, sink| {
+            check_isolation(cfg, isolation, path)?;
+            let t = self::table(conn, path, &read.table)?;
+            let cols: Vec<Option<usize>> = read.columns.iter().map(|c| t.column_index(&c.name)).collect();
+            let key_pos = key_positions(&t, &read.keys)?;
+            // The statement fails before any row is read when a bound does not convert.
+            let pred = RangePredicate::new(&key_types(&t, &key_pos), &read.range)?;
+            let plan = plan_range(&t, &key_pos, pred.typed());
+            let mut em = Emitter::new(sink, BatchBuilder::new(&read.columns));
+            let mut stopped = false;
+            scan_rows(conn, path, &t, &plan, |row| {
+                if !plan.exact {
+                    let key: Vec<SqlValue> = key_pos.iter().map(|&i| row[i].clone()).collect();
+                    if !pred.holds(&key) {
+                        return Ok(true);
+                    }
+                }
+                let out: Vec<SqlValue> = cols.iter().map(|c| c.map(|i| row[i].clone()).unwrap_or(SqlValue::Null)).collect();
+                let go = em.push(&out)?;
+                stopped = !go;
+                Ok(go)
+            })?;
+            if !stopped {
+                em.finish();
+            }
+            Ok(())
+        })
+        .await
+    }
+
     /// Runs a streaming read: `body` runs inside one read transaction and
     /// feeds the returned stream through `Sink`.
     async fn stream<F>(&self, on: FaultOn, batch_rows: usize, body: F) -> Result<BatchStream, SourceError>
+    where
+        F: FnOnce(&Connection, &Path, &SimConfig, &mut Sink) -> Result<(), SourceError> + Send + 'static,
+    {
+        self.stream_with(on, batch_rows, None, body).await
+    }
+
+    /// [`SimSource::stream`], optionally fenced: with `fence`, the read runs
+    /// under the database's write lock (SQLite's `BEGIN IMMEDIATE`, standing
+    /// in for `TABLOCK, HOLDLOCK`: no writer commits until it ends; it blocks
+    /// writers of every table, not only this one's), and after the last row
+    /// the clock passes the guard, the fence is read, and it passes the guard
+    /// again, all before the lock is let go. A manual clock is moved by the
+    /// guards (time passes while SQL Server runs `WAITFOR DELAY`).
+    async fn stream_with<F>(
+        &self,
+        on: FaultOn,
+        batch_rows: usize,
+        fence: Option<oneshot::Sender<Result<NaiveDateTime, SourceError>>>,
+        body: F,
+    ) -> Result<BatchStream, SourceError>
     where
         F: FnOnce(&Connection, &Path, &SimConfig, &mut Sink) -> Result<(), SourceError> + Send + 'static,
     {
@@ -107,9 +163,17 @@ impl SimSource {
                     db::take_cleanup_before_changes(&mut conn, &path).map_err(|e| map_err(&path, e))?;
                 }
                 sink.rate = cfg.conn_rows_per_s.filter(|r| *r > 0);
-                conn.execute_batch("BEGIN DEFERRED").ctx(&path).map_err(|e| map_err(&path, e))?;
+                let fenced = fence.is_some();
+                conn.execute_batch(if fenced { "BEGIN IMMEDIATE" } else { "BEGIN DEFERRED" }).ctx(&path).map_err(|e| map_err(&path, e))?;
                 let r = body(&conn, &path, &cfg, &mut sink);
+                let read_fence = match (&r, fenced) {
+                    (Ok(()), true) => Some(fence_under_lock(&conn, &path, &cfg)),
+                    _ => None,
+                };
                 let _ = conn.execute_batch("COMMIT");
+                if let (Some(f), Some(tx)) = (read_fence, fence) {
+                    let _ = tx.send(f);
+                }
                 r
             })();
             match res {
@@ -130,6 +194,28 @@ impl SimSource {
             Err(_) => Err(SourceError::Other("the simulator's reader thread ended before starting the read".into())),
         }
     }
+}
+
+/// Under a fenced read's lock: the guard, the server-local clock, the guard.
+fn fence_under_lock(conn: &Connection, path: &Path, cfg: &SimConfig) -> Result<NaiveDateTime, SourceError> {
+    let guard = Duration::from_millis(crate::source::FENCE_GUARD_MS);
+    let pass = || -> Result<(), SourceError> {
+        match cfg.clock {
+            db::Clock::Wall => std::thread::sleep(guard),
+            db::Clock::Manual { .. } => {
+                let now = db::now_us(conn, path, cfg).map_err(|e| map_err(path, e))? + guard.as_micros() as i64;
+                db::meta_set(conn, path, "clock_us", &now.to_string()).map_err(|e| map_err(path, e))?;
+            }
+        }
+        Ok(())
+    };
+    pass()?;
+    let now = db::now_us(conn, path, cfg).map_err(|e| map_err(path, e))?;
+    let zone = cfg.clock_zone().map_err(|e| map_err(path, e))?;
+    let at = DateTime::<Utc>::from_timestamp_micros(now).ok_or_else(|| SourceError::Other("the simulator's clock is out of range".into()))?;
+    let fence = db::wall_clock(&zone, at);
+    pass()?;
+    Ok(fence)
 }
 
 /// Opens a connection, sleeps the configured latency and runs a due capture scan.
@@ -547,35 +633,13 @@ impl CdcSource for SimSource {
     }
 
     async fn snapshot_read(&self, read: &SnapshotRead) -> Result<BatchStream, SourceError> {
-        let read = read.clone();
-        self.stream(FaultOn::Snapshot, read.batch_rows, move |conn, path, cfg, sink| {
-            check_isolation(cfg, read.isolation, path)?;
-            let t = self::table(conn, path, &read.table)?;
-            let cols: Vec<Option<usize>> = read.columns.iter().map(|c| t.column_index(&c.name)).collect();
-            let key_pos = key_positions(&t, &read.keys)?;
-            // The statement fails before any row is read when a bound does not convert.
-            let pred = RangePredicate::new(&key_types(&t, &key_pos), &read.range)?;
-            let plan = plan_range(&t, &key_pos, pred.typed());
-            let mut em = Emitter::new(sink, BatchBuilder::new(&read.columns));
-            let mut stopped = false;
-            scan_rows(conn, path, &t, &plan, |row| {
-                if !plan.exact {
-                    let key: Vec<SqlValue> = key_pos.iter().map(|&i| row[i].clone()).collect();
-                    if !pred.holds(&key) {
-                        return Ok(true);
-                    }
-                }
-                let out: Vec<SqlValue> = cols.iter().map(|c| c.map(|i| row[i].clone()).unwrap_or(SqlValue::Null)).collect();
-                let go = em.push(&out)?;
-                stopped = !go;
-                Ok(go)
-            })?;
-            if !stopped {
-                em.finish();
-            }
-            Ok(())
-        })
-        .await
+        self.table_read(read, None).await
+    }
+
+    async fn snapshot_read_fenced(&self, read: &SnapshotRead) -> Result<FencedRead, SourceError> {
+        let (tx, fence) = crate::source::fence_channel();
+        let batches = self.table_read(read, Some(tx)).await?;
+        Ok(FencedRead { batches, fence })
     }
 
     async fn key_extent(&self, table: &TableName, keys: &[String], isolation: Isolation) -> Result<Option<(Key, Key)>, SourceError> {

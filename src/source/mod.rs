@@ -31,6 +31,30 @@ use crate::types::{BatchBuilder, ColumnDesc, Key, SqlValue, ValueTypeError};
 /// and gives the connection back.
 pub type BatchStream = BoxStream<'static, Result<RecordBatch, SourceError>>;
 
+/// How long a fenced read waits under its lock before and after it reads
+/// the fence: much more than `datetime`'s 1/300 s rounding of the commit
+/// times it is compared with, so no commit time rounds across it.
+pub const FENCE_GUARD_MS: u64 = 20;
+
+/// A fenced snapshot read ([`CdcSource::snapshot_read_fenced`]): its rows,
+/// then the server-local time that divides the commits it holds from those
+/// it does not.
+pub struct FencedRead {
+    pub batches: BatchStream,
+    pub fence: futures::future::BoxFuture<'static, Result<NaiveDateTime, SourceError>>,
+}
+
+/// The fence of a fenced read, delivered by the task that reads it.
+pub fn fence_channel() -> (tokio::sync::oneshot::Sender<Result<NaiveDateTime, SourceError>>, futures::future::BoxFuture<'static, Result<NaiveDateTime, SourceError>>) {
+    use futures::FutureExt;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let fut = async move {
+        rx.await.unwrap_or_else(|_| Err(SourceError::Transient("the fenced read ended before it read its fence".into())))
+    }
+    .boxed();
+    (tx, fut)
+}
+
 /// A table's two-part name.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct TableName {
@@ -255,6 +279,23 @@ impl ServerZone {
             ZoneKind::Fixed(secs) => (local - chrono::Duration::seconds(*secs as i64)).and_utc(),
         }
     }
+
+    /// The instant of a fenced read's fence, which must be unambiguous: in
+    /// the hour a fall-back repeats, a commit of the second pass has a wall
+    /// time below a fence of the first, and would be taken for one the read
+    /// holds. So such a fence is refused (the caller reads again later).
+    pub fn fence_to_utc(&self, local: NaiveDateTime) -> Result<DateTime<Utc>, SourceError> {
+        if let ZoneKind::Named(tz) = &self.kind {
+            if let LocalResult::Ambiguous(..) = tz.from_local_datetime(&local) {
+                return Err(SourceError::Transient(format!(
+                    "the fenced read ended at {local}, a wall-clock time the server's zone ({}) repeats as its clock falls back: \
+                     commit times cannot be placed against it; call again after the repeated hour",
+                    self.name
+                )));
+            }
+        }
+        Ok(self.to_utc(local))
+    }
 }
 
 use chrono::Offset;
@@ -345,6 +386,21 @@ pub trait CdcSource: Send + Sync {
     /// `read.columns`. Row order is unspecified. SNAPSHOT where the database
     /// does not allow it is a `Config` error.
     async fn snapshot_read(&self, read: &SnapshotRead) -> Result<BatchStream, SourceError>;
+
+    /// The rows of `read.range` as [`CdcSource::snapshot_read`] returns them,
+    /// but read under a shared lock on the whole table, taken before the
+    /// first row and held until after the fence (`WITH (TABLOCK, HOLDLOCK)`
+    /// in one transaction, whatever `read.isolation` says). The fence is the
+    /// server-local clock (`SYSDATETIME()`) read under the lock at least
+    /// [`FENCE_GUARD_MS`] after the read ended, and the lock is held at least
+    /// as long again after it. So every transaction that changed the table
+    /// and ended at or before the fence (`tran_end_time`) is in the rows, and
+    /// every one that ended after it is not: no writer of the table can
+    /// commit while the lock is held, and the guards keep both sides more
+    /// than datetime's rounding away from the fence. Writers of the table
+    /// wait for the read. `fence` resolves once the stream has ended; a read
+    /// that failed or was dropped has no fence.
+    async fn snapshot_read_fenced(&self, read: &SnapshotRead) -> Result<FencedRead, SourceError>;
 
     /// MIN and MAX of the key (compared column by column as ORDER BY does,
     /// ignoring rows with a NULL key column), or None for an empty table.

@@ -5,7 +5,8 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
-use deltalake::arrow::array::{new_null_array, Array, BooleanArray, Int32Array, StringArray};
+use chrono::{DateTime, Utc};
+use deltalake::arrow::array::{new_null_array, Array, BooleanArray, Int32Array, StringArray, TimestampMicrosecondArray};
 use deltalake::arrow::compute::filter_record_batch;
 use deltalake::arrow::record_batch::RecordBatch;
 use deltalake::datafusion::common::Column;
@@ -17,7 +18,7 @@ use serde_json::{json, Value};
 
 use super::{ident, key_match, plan_rows, txn_merge, waves_in_facts, Action, Decision};
 use crate::delta::control::ControlRow;
-use crate::delta::facts::{FactRow, EVENT_SNAPSHOT_OPEN};
+use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT, EVENT_SNAPSHOT_OPEN};
 use crate::delta::{self, bronze, silver, sql_str};
 use crate::engine::chunked::{ChunkPayload, OpenPayload, EVENT_SNAPSHOT_CHUNK};
 use crate::engine::Context;
@@ -77,8 +78,9 @@ pub fn check_options(ctx: &Context) -> StepResult<()> {
 pub enum Base {
     /// No snapshot: changes only.
     None,
-    /// A full snapshot (or a seed) at S: every row read as of S.
-    Full(Lsn),
+    /// A full snapshot (or a seed) at S: every row read as of S, and, for a
+    /// fenced read, exactly the commits that ended at or before its fence.
+    Full(Lsn, Option<DateTime<Utc>>),
     /// A chunked snapshot at S: its chunks read so far (sorted by chunk,
     /// so by range), each as of its stamp, cut on `keys`.
     Chunked { s: Lsn, keys: Vec<String>, read: Vec<ChunkPayload> },
@@ -124,12 +126,21 @@ async fn chunked_base(ctx: &Context, facts: &[FactRow], s: Lsn, upto: Option<i64
     Ok(Base::Chunked { s, keys, read })
 }
 
+/// The read fence the completion row of the full snapshot at `s` records (a heap's, read fenced).
+fn full_fence(facts: &[FactRow], s: Lsn) -> Option<DateTime<Utc>> {
+    facts
+        .iter()
+        .filter(|r| r.min_lsn == Some(s) && matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP | EVENT_RESNAPSHOT)))
+        .filter_map(|r| r.detail.as_ref()?.get("fence").cloned())
+        .find_map(|f| serde_json::from_value::<DateTime<Utc>>(f).ok())
+}
+
 /// The base of a completed snapshot: all its chunks when it was chunked.
 async fn completed_base(ctx: &Context, facts: &[FactRow], s: Lsn) -> StepResult<Base> {
     if opened_chunked(facts, s) {
         chunked_base(ctx, facts, s, None).await
     } else {
-        Ok(Base::Full(s))
+        Ok(Base::Full(s, full_fence(facts, s)))
     }
 }
 
@@ -165,22 +176,38 @@ pub fn chunk_of<'a>(read: &'a [ChunkPayload], key: &[crate::types::SqlValue]) ->
     range(c).contains(key).then_some(c)
 }
 
-/// Whether a change image at `lsn` counts in this apply (pure): it must be
-/// after the snapshot its row was read in (a chunk's stamp, a full
-/// snapshot's S), after what silver applied unless its chunk is new to
-/// silver in this apply, and in a chunk read so far. Values above the last
+/// Whether a change image at `lsn`, of a commit that ended at `ts`, counts
+/// in this apply (pure): it must be after the snapshot its row was read in
+/// (a chunk's stamp, a full snapshot's S, and where the read was fenced, a
+/// commit that ended after the fence: one that ended before it is in the
+/// rows read, though captured after the stamp), after what silver applied
+/// unless its chunk is new to silver in this apply, and in a chunk read so far. Values above the last
 /// chunk's end (rows inserted above the open's MAX) are in no chunk: no read
 /// holds them, so all their images after S count, from the apply that reads
 /// the last chunk on.
-pub fn counts(base: &Base, key: impl FnOnce() -> Key, lsn: Lsn, applied: Option<Lsn>, new_chunks: &BTreeSet<i64>, rebuild: bool) -> bool {
+#[allow(clippy::too_many_arguments)]
+pub fn counts(
+    base: &Base,
+    key: impl FnOnce() -> Key,
+    lsn: Lsn,
+    ts: Option<DateTime<Utc>>,
+    applied: Option<Lsn>,
+    new_chunks: &BTreeSet<i64>,
+    rebuild: bool,
+) -> bool {
     let after = |l: Option<Lsn>| l.is_none_or(|l| lsn > l);
+    // A commit time is always there where a fence is (merge refuses otherwise).
+    let after_fence = |f: &Option<DateTime<Utc>>| match (f, ts) {
+        (Some(f), Some(t)) => t > *f,
+        _ => true,
+    };
     match base {
         Base::None => after(applied),
-        Base::Full(s) => lsn > *s && (rebuild || after(applied)),
+        Base::Full(s, fence) => lsn > *s && after_fence(fence) && (rebuild || after(applied)),
         Base::Chunked { s, read, .. } => {
             let key = key();
             if let Some(c) = chunk_of(read, &key) {
-                return lsn > c.stamp && (rebuild || new_chunks.contains(&c.chunk) || after(applied));
+                return lsn > c.stamp && after_fence(&c.fence) && (rebuild || new_chunks.contains(&c.chunk) || after(applied));
             }
             let beyond = |c: &&ChunkPayload| {
                 c.last && c.hi.as_ref().is_some_and(|hi| !key.iter().any(|v| v.is_null()) && key_cmp(&key, hi) != std::cmp::Ordering::Less)
@@ -208,6 +235,11 @@ pub async fn merge(
     let applied = last.and_then(|c| c.applied_lsn);
     let base = base_of(ctx, d, last, facts).await?;
     let new_chunks: BTreeSet<i64> = new_chunk_ids.iter().copied().collect();
+    let fenced = match &base {
+        Base::Full(_, f) => f.is_some(),
+        Base::Chunked { read, .. } => read.iter().any(|c| c.fence.is_some()),
+        Base::None => false,
+    };
     let cut_idx: Vec<usize> = match &base {
         Base::Chunked { keys, .. } => keys
             .iter()
@@ -224,8 +256,8 @@ pub async fn merge(
     // (a reseed writes the changes after its L again) counts once.
     let lower = match (&base, &d.action) {
         (Base::None, _) => applied,
-        (Base::Full(s) | Base::Chunked { s, .. }, Action::Rebuild { .. } | Action::Waves { .. }) => Some(*s),
-        (Base::Full(s) | Base::Chunked { s, .. }, _) => Some(applied.map_or(*s, |a| a.max(*s))),
+        (Base::Full(s, _) | Base::Chunked { s, .. }, Action::Rebuild { .. } | Action::Waves { .. }) => Some(*s),
+        (Base::Full(s, _) | Base::Chunked { s, .. }, _) => Some(applied.map_or(*s, |a| a.max(*s))),
     };
     let mut filter = format!("{op} <> 0 AND {start} <= {to}", op = bronze::OPERATION, start = bronze::START_LSN, to = lsn(to));
     if let Some(l) = lower {
@@ -250,6 +282,7 @@ pub async fn merge(
         let cmd = b.column(n + 1).as_any().downcast_ref::<Int32Array>().ok_or_else(|| StepError::Internal("_command_id".into()))?;
         let seq = b.column(n + 2).as_any().downcast_ref::<StringArray>().ok_or_else(|| StepError::Internal("_seqval".into()))?;
         let op = b.column(n + 3).as_any().downcast_ref::<Int32Array>().ok_or_else(|| StepError::Internal("_operation".into()))?;
+        let commit_ts = b.column(n + 4).as_any().downcast_ref::<TimestampMicrosecondArray>().ok_or_else(|| StepError::Internal("_commit_ts".into()))?;
         let mut mask = Vec::with_capacity(b.num_rows());
         for i in 0..b.num_rows() {
             let o = op.value(i);
@@ -263,8 +296,16 @@ pub async fn merge(
                 }
             }
             let l = Lsn::parse(start.value(i)).map_err(|e| StepError::Internal(format!("bronze _start_lsn: {e}")))?;
+            let ts = (!commit_ts.is_null(i)).then(|| DateTime::<Utc>::from_timestamp_micros(commit_ts.value(i))).flatten();
+            if ts.is_none() && fenced {
+                return Err(StepError::NeedsPerson(format!(
+                    "bronze holds a change at {l} without its commit time (_commit_ts), and the snapshot of this table without \
+                     a unique index was read fenced: whether the read already holds that change is decided by the time. \
+                     Take a new snapshot"
+                )));
+            }
             let key = || cut_idx.iter().map(|&c| value_at(b.column(c).as_ref(), i, &columns[c].sql_type)).collect::<Key>();
-            mask.push(counts(&base, key, l, applied, &new_chunks, rebuild));
+            mask.push(counts(&base, key, l, ts, applied, &new_chunks, rebuild));
         }
         let kept = filter_record_batch(&b, &BooleanArray::from(mask)).map_err(|e| StepError::Internal(format!("bronze images: {e}")))?;
         if kept.num_rows() > 0 {
@@ -436,6 +477,7 @@ mod tests {
             read_bytes: None,
             rounds: 1,
             bronze_version: None,
+            fence: None,
         }
     }
 
@@ -446,30 +488,51 @@ mod tests {
         let base = Base::Chunked { s: lsn(10), keys: vec!["k".into()], read };
         let k = |v: Option<i64>| move || vec![v.map(SqlValue::Int).unwrap_or(SqlValue::Null)];
         let none = BTreeSet::new();
-        assert!(!counts(&base, k(Some(5)), lsn(15), None, &none, true), "before its chunk's stamp: the chunk holds it");
-        assert!(counts(&base, k(Some(5)), lsn(25), None, &none, true));
-        assert!(counts(&base, k(None), lsn(25), None, &none, true), "a NULL key is in the first chunk");
-        assert!(!counts(&base, k(Some(15)), lsn(99), None, &none, true), "chunk 1 is not read yet");
-        assert!(!counts(&base, k(Some(25)), lsn(35), None, &none, true), "before chunk 2's stamp");
+        assert!(!counts(&base, k(Some(5)), lsn(15), None, None, &none, true), "before its chunk's stamp: the chunk holds it");
+        assert!(counts(&base, k(Some(5)), lsn(25), None, None, &none, true));
+        assert!(counts(&base, k(None), lsn(25), None, None, &none, true), "a NULL key is in the first chunk");
+        assert!(!counts(&base, k(Some(15)), lsn(99), None, None, &none, true), "chunk 1 is not read yet");
+        assert!(!counts(&base, k(Some(25)), lsn(35), None, None, &none, true), "before chunk 2's stamp");
         // Incremental: after what silver applied, unless the chunk is new in this apply.
-        assert!(!counts(&base, k(Some(25)), lsn(45), Some(lsn(50)), &none, false));
-        assert!(counts(&base, k(Some(25)), lsn(45), Some(lsn(50)), &[2].into(), false), "a new chunk takes the changes after its stamp");
-        assert!(counts(&base, k(Some(25)), lsn(55), Some(lsn(50)), &none, false));
-        let full = Base::Full(lsn(10));
-        assert!(!counts(&full, Vec::new, lsn(10), None, &none, true));
-        assert!(counts(&full, Vec::new, lsn(11), None, &none, true));
-        assert!(!counts(&full, Vec::new, lsn(11), Some(lsn(12)), &none, false));
-        assert!(counts(&Base::None, Vec::new, lsn(1), None, &none, false));
+        assert!(!counts(&base, k(Some(25)), lsn(45), None, Some(lsn(50)), &none, false));
+        assert!(counts(&base, k(Some(25)), lsn(45), None, Some(lsn(50)), &[2].into(), false), "a new chunk takes the changes after its stamp");
+        assert!(counts(&base, k(Some(25)), lsn(55), None, Some(lsn(50)), &none, false));
+        let full = Base::Full(lsn(10), None);
+        assert!(!counts(&full, Vec::new, lsn(10), None, None, &none, true));
+        assert!(counts(&full, Vec::new, lsn(11), None, None, &none, true));
+        assert!(!counts(&full, Vec::new, lsn(11), None, Some(lsn(12)), &none, false));
+        assert!(counts(&Base::None, Vec::new, lsn(1), None, None, &none, false));
         // Above the last chunk's end: after S, once the last chunk is read.
         let mut read = vec![chunk(0, None, Some(10), 20), chunk(1, Some(10), Some(20), 30)];
         let open = Base::Chunked { s: lsn(10), keys: vec!["k".into()], read: read.clone() };
-        assert!(!counts(&open, k(Some(25)), lsn(15), None, &none, true), "the last chunk is not read yet");
+        assert!(!counts(&open, k(Some(25)), lsn(15), None, None, &none, true), "the last chunk is not read yet");
         read[1].last = true;
         let done = Base::Chunked { s: lsn(10), keys: vec!["k".into()], read };
-        assert!(counts(&done, k(Some(25)), lsn(15), None, &none, true), "no chunk read it");
-        assert!(!counts(&done, k(Some(25)), lsn(10), None, &none, true));
-        assert!(counts(&done, k(Some(25)), lsn(15), Some(lsn(40)), &[1].into(), false), "counted from the apply that reads the last chunk");
-        assert!(!counts(&done, k(Some(25)), lsn(15), Some(lsn(40)), &none, false));
+        assert!(counts(&done, k(Some(25)), lsn(15), None, None, &none, true), "no chunk read it");
+        assert!(!counts(&done, k(Some(25)), lsn(10), None, None, &none, true));
+        assert!(counts(&done, k(Some(25)), lsn(15), None, Some(lsn(40)), &[1].into(), false), "counted from the apply that reads the last chunk");
+        assert!(!counts(&done, k(Some(25)), lsn(15), None, Some(lsn(40)), &none, false));
+    }
+
+    #[test]
+    fn a_fenced_read_holds_the_commits_that_ended_before_its_fence() {
+        // Chunk 0 stamped 20 and read fenced at t0: a change captured after
+        // the stamp whose commit ended before t0 is in the rows read.
+        let t0 = DateTime::<Utc>::from_timestamp(1_800_000_000, 0).expect("a time");
+        let before = Some(t0 - chrono::Duration::milliseconds(25));
+        let after = Some(t0 + chrono::Duration::milliseconds(25));
+        let mut c = chunk(0, None, None, 20);
+        c.fence = Some(t0);
+        let base = Base::Chunked { s: lsn(10), keys: vec!["k".into()], read: vec![c] };
+        let k = || vec![SqlValue::Int(5)];
+        let none = BTreeSet::new();
+        assert!(!counts(&base, k, lsn(25), before, None, &none, true), "ended before the fence: the chunk read it");
+        assert!(counts(&base, k, lsn(25), after, None, &none, true), "ended after the fence: a change to count");
+        assert!(!counts(&base, k, lsn(15), after, None, &none, true), "at or before the stamp: never");
+        let full = Base::Full(lsn(10), Some(t0));
+        assert!(!counts(&full, Vec::new, lsn(11), before, None, &none, true), "a full read holds what ended before its fence");
+        assert!(counts(&full, Vec::new, lsn(11), after, None, &none, true));
+        assert!(!counts(&full, Vec::new, lsn(11), after, Some(lsn(12)), &none, false), "and silver has applied it");
     }
 
     #[test]
