@@ -28,6 +28,8 @@ mod records_lock;
 mod records_rules;
 #[path = "records_untested.rs"]
 mod records_untested;
+#[path = "rename.rs"]
+mod rename;
 #[path = "seed.rs"]
 mod seed;
 #[path = "seed_cli.rs"]

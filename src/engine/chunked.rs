@@ -557,6 +557,8 @@ pub async fn ensure_open_with_gap(ctx: &mut Context, kind: &str, generation: i32
         let completed = is_completed(&rows, o.s);
         return Ok(OpenResult { step: "snapshot", mode: "chunked", snapshot_lsn: o.s, generation, opened_now: false, completed });
     }
+    // Its chunks would be read with these columns: refuse before the open is recorded.
+    super::check_no_renamed_columns(ctx, "a chunked snapshot")?;
     let min = ctx.source.min_lsn(&ctx.instance.name).await?;
     if let Some(full) = full_holding_mode(&rows, min) {
         return Err(mode_conflict(&full, Mode::Chunked));
@@ -1156,6 +1158,8 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
     };
     result.snapshot = Some(o.s);
     result.generation = o.generation;
+    // With the stream's instance (followed above), before any plan or wave is written.
+    super::check_no_renamed_columns(ctx, "backfill")?;
     // A gap in the stream after S ruins the snapshot: no chunk is worth reading.
     refuse_over_stream_gap(&ctx.source, &ctx.instance.name, &rows, &o, ctx.workflow.stream.on_data_loss, &ctx.workflow.path).await?;
     let isolation = args.isolation.unwrap_or(ctx.workflow.snapshot.isolation);

@@ -303,6 +303,42 @@ impl Context {
     }
 }
 
+/// The renames of a capture instance's columns, as `'captured' -> 'now'` pairs.
+pub fn renames_text(instance: &CaptureInstance) -> String {
+    instance.renamed.iter().map(|(old, now)| format!("'{old}' -> '{now}'")).collect::<Vec<_>>().join(", ")
+}
+
+/// Refuses a step that reads the source table's rows with a capture instance
+/// (`ctx.instance`, the one the step reads with: call it after
+/// `switch::follow_stream` where the step follows the stream) that captures a
+/// column the table has renamed since (`sp_rename`,
+/// [`CaptureInstance::renamed`]). The instance keeps the old name, and the
+/// table no longer has it: a snapshot read of the captured columns would
+/// find nothing under that name and load NULL in its place for every row,
+/// a loss no later step could see. The stream is unaffected (the change
+/// table keeps the old name too). Call it before the step writes anything;
+/// `step` names the step in the message ("reconcile", "a full snapshot"...).
+pub fn check_no_renamed_columns(ctx: &Context, step: &str) -> StepResult<()> {
+    let ci = &ctx.instance;
+    if ci.renamed.is_empty() {
+        return Ok(());
+    }
+    let table = ctx.workflow.table_name();
+    Err(StepError::NeedsPerson(format!(
+        "{step} reads the rows of {table}, but capture instance '{}' captures columns that {table} has renamed since \
+         (captured name -> name now: {}): the table no longer has the captured names, so the read would load NULL in their \
+         place. The step stopped before reading the table. Create a capture instance that captures the columns under their \
+         new names (EXEC sys.sp_cdc_enable_table @source_schema = N'{}', @source_name = N'{}', @role_name = NULL, \
+         @capture_instance = N'<a new name>'), let `stream` switch to it (with table.capture_instance unset the stream \
+         follows the newer instance from its start LSN; bronze gains the new names as columns), then call the step again; \
+         drop the old instance (sys.sp_cdc_disable_table) once the stream has switched",
+        ci.name,
+        renames_text(ci),
+        table.schema.replace('\'', "''"),
+        table.name.replace('\'', "''"),
+    )))
+}
+
 /// The source password, from the variable or file the workflow names.
 fn read_secrets(wf: &Workflow) -> StepResult<SourceSecrets> {
     let mut s = SourceSecrets::default();

@@ -679,6 +679,9 @@ async fn chunk_checks(ctx: &Context, facts: &[FactRow]) -> StepResult<(Option<Ls
 /// The `reconcile` step.
 pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     let instances = super::switch::follow_stream(ctx).await?;
+    // Tier 2 reads the table with the stream's instance's columns; a renamed
+    // one would read as NULL and be reported as a difference in every row.
+    super::check_no_renamed_columns(ctx, "reconcile")?;
     let is_heap = apply::heap::is_heap(ctx);
     let keys = if is_heap { vec![] } else { apply::silver_keys(ctx)? };
     let app = ctx.workflow.app_id.clone();

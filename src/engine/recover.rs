@@ -228,6 +228,8 @@ pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_d
         rows: None,
         resumed: recorded.is_some(),
     };
+    // The new snapshot reads the table: refuse before the recovery row.
+    super::check_no_renamed_columns(ctx, "the re-snapshot after the data loss")?;
     // 2. The anti-loop guard, on the server's clock.
     let max = ctx.source.max_lsn().await?;
     let now = match max {

@@ -337,6 +337,9 @@ pub async fn run(ctx: &mut Context, args: &SeedArgs) -> StepResult<SeedResult> {
         ))
     })?;
 
+    // The copy was taken from the table, which names a renamed column
+    // otherwise than the instance does: fitted by name, it would load NULL.
+    super::check_no_renamed_columns(ctx, "seed (whose copy is fitted to the captured column names)")?;
     // The copy: its columns are fitted from its schema before anything is written.
     let copy = crate::seed_copy::open(&args.copy, &ctx.storage).await?;
     let bronze_schema = ctx.bronze_schema()?;

@@ -289,6 +289,8 @@ pub async fn record_failed_row(ctx: &mut Context, generation: i32, s: Lsn, min_l
 /// whole table at S = max LSN, one bronze commit, the completion row
 /// (`bootstrap` or `resnapshot`, with the gap it closes).
 pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Option<Gap>) -> StepResult<SnapshotResult> {
+    // Before the open row: a read with renamed columns must not even start.
+    super::check_no_renamed_columns(ctx, "a full snapshot")?;
     let started = Instant::now();
     let app = ctx.workflow.app_id.clone();
     let snap_txn = txn_full_snapshot(&app, generation);

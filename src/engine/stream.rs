@@ -188,6 +188,18 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
             result.position = Some(position);
         }
     }
+    if !ctx.instance.renamed.is_empty() {
+        // Change rows carry a renamed column under its captured name, as the
+        // change table does, so streaming stays right; the table reads do not.
+        tracing::warn!(
+            table = %ctx.workflow.table_name(),
+            capture_instance = %ctx.instance.name,
+            renamed = %super::renames_text(&ctx.instance),
+            "the capture instance captures columns the source table has renamed since (captured name -> name now): the stream \
+             goes on under the captured names, but every step that reads the table (snapshots, backfill, reconcile, seed) \
+             refuses this instance; create a capture instance that captures the new names and let the stream switch to it"
+        );
+    }
     // The call reads up to the max LSN it found when it started: a writer that
     // never pauses cannot keep one call running forever. The next call picks
     // up what arrived meanwhile.

@@ -376,6 +376,7 @@ mod tests {
             start_lsn: Some(Lsn::from_u128(start)),
             columns: cols.iter().map(|c| ColumnDesc::new(*c, SqlType::Int, true)).collect(),
             index_columns: vec!["id".into()],
+            renamed: Default::default(),
         }
     }
 

@@ -854,6 +854,16 @@ fn captured_column(r: &Row, capture_instance: &str, table: &TableName) -> Result
     Ok(ColumnDesc::new(col, ty, nullable))
 }
 
+/// The name the source table gives the captured column of a
+/// `sql::captured_columns` row now, when it is not the captured name: the
+/// column was renamed (`sp_rename`; the row joins the source column by
+/// `column_id`). None when the names agree ignoring case, or when the column
+/// was dropped (no source column has its id).
+fn renamed_to(r: &Row) -> Result<Option<String>, SourceError> {
+    let captured = convert::row_str(r, 1)?.unwrap_or_default();
+    Ok(convert::row_str(r, 8)?.filter(|now| !now.eq_ignore_ascii_case(&captured)))
+}
+
 /// Why a captured computed column is refused. CDC writes NULL for a computed
 /// column in every change row while a snapshot reads its value, so silver
 /// would hold the value until the row's first change and NULL after it. Of
@@ -952,11 +962,16 @@ impl CdcSource for MssqlSource {
             let name = convert::row_str(h, 0)?.unwrap_or_default();
             let start_lsn = convert::row_lsn(h, 1, true)?;
             let mut columns = Vec::new();
+            let mut renamed = std::collections::BTreeMap::new();
             for r in &cols {
                 if convert::row_str(r, 0)?.as_deref() != Some(name.as_str()) {
                     continue;
                 }
-                columns.push(captured_column(r, &name, table)?);
+                let column = captured_column(r, &name, table)?;
+                if let Some(now) = renamed_to(r)? {
+                    renamed.insert(column.name.clone(), now);
+                }
+                columns.push(column);
             }
             let mut index_columns = Vec::new();
             for r in &idx {
@@ -964,7 +979,7 @@ impl CdcSource for MssqlSource {
                     index_columns.push(convert::row_str(r, 1)?.unwrap_or_default());
                 }
             }
-            out.push(CaptureInstance { name, table: table.clone(), start_lsn, columns, index_columns });
+            out.push(CaptureInstance { name, table: table.clone(), start_lsn, columns, index_columns, renamed });
         }
         Ok(out)
     }
@@ -1394,8 +1409,15 @@ mod tests {
         assert!(matches!(e, SourceError::Transient(_)), "{e}");
     }
 
-    /// A row of `sql::captured_columns`, as the server sends it.
+    /// A row of `sql::captured_columns`, as the server sends it, for a
+    /// column the source table still names as captured.
     fn captured_row(column: &str, type_name: &str, max_len: i32, computed: bool) -> Row {
+        captured_row_named(column, type_name, max_len, computed, Some(column))
+    }
+
+    /// A row of `sql::captured_columns` whose source column is now named
+    /// `source_name` (None: the column was dropped).
+    fn captured_row_named(column: &str, type_name: &str, max_len: i32, computed: bool, source_name: Option<&str>) -> Row {
         use tiberius::{ColumnData, ColumnType};
         let text = |v: &str| ColumnData::String(Some(v.to_string().into()));
         Row::builder()
@@ -1407,7 +1429,19 @@ mod tests {
             .column("num_scale", ColumnType::Int4, ColumnData::I32(Some(0)))
             .column("is_nullable", ColumnType::Bit, ColumnData::Bit(Some(true)))
             .column("is_computed", ColumnType::Bit, ColumnData::Bit(Some(computed)))
+            .column("source_name", ColumnType::NVarchar, source_name.map(text).unwrap_or(ColumnData::String(None)))
             .build()
+    }
+
+    #[test]
+    fn a_captured_column_the_source_names_otherwise_is_reported_renamed() {
+        // sp_rename keeps the column id: the catalog row carries the new name.
+        assert_eq!(renamed_to(&captured_row_named("amount", "int", 4, false, Some("total"))).unwrap(), Some("total".to_string()));
+        // A change of case only is no rename: SQL Server resolves names case-insensitively here.
+        assert_eq!(renamed_to(&captured_row_named("amount", "int", 4, false, Some("AMOUNT"))).unwrap(), None);
+        assert_eq!(renamed_to(&captured_row("amount", "int", 4, false)).unwrap(), None);
+        // A dropped column has no source name: dropped, not renamed.
+        assert_eq!(renamed_to(&captured_row_named("amount", "int", 4, false, None)).unwrap(), None);
     }
 
     #[test]

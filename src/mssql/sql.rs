@@ -259,20 +259,24 @@ pub fn database_cdc_enabled() -> Statement {
 /// The captured columns of every instance of the table, with the types the
 /// change table holds them in, in column ordinal order; nullability from the
 /// source column while it exists; whether the column is computed (CDC writes
-/// NULL for a computed column in every change row). Columns:
-/// capture_instance, column_name, type_name, max_length, precision, scale,
-/// is_nullable, is_computed.
+/// NULL for a computed column in every change row); and the name the source
+/// table gives the column now (NULL once it is dropped). The source column is
+/// found by `column_id`, which `sp_rename` keeps, never by name: a renamed
+/// column keeps its old name in `cdc.captured_columns` and in the change
+/// table. Columns: capture_instance, column_name, type_name, max_length,
+/// precision, scale, is_nullable, is_computed, source_name.
 pub fn captured_columns(t: &TableName) -> Statement {
     Statement::new(
         format!(
             "SELECT ct.capture_instance, cc.column_name, ty.name AS type_name, CAST(c.max_length AS int) AS max_len, \
          CAST(c.precision AS int) AS num_precision, CAST(c.scale AS int) AS num_scale, \
-         CAST(COALESCE(sc.is_nullable, 1) AS bit) AS is_nullable, CAST(COALESCE(cc.is_computed, 0) AS bit) AS is_computed \
+         CAST(COALESCE(sc.is_nullable, 1) AS bit) AS is_nullable, CAST(COALESCE(cc.is_computed, 0) AS bit) AS is_computed, \
+         sc.name AS source_name \
          FROM cdc.change_tables AS ct \
          JOIN cdc.captured_columns AS cc ON cc.object_id = ct.object_id \
          JOIN sys.columns AS c ON c.object_id = ct.object_id AND c.name = cc.column_name \
          JOIN sys.types AS ty ON {TYPE_OF_COLUMN} \
-         LEFT JOIN sys.columns AS sc ON sc.object_id = ct.source_object_id AND sc.name = cc.column_name \
+         LEFT JOIN sys.columns AS sc ON sc.object_id = ct.source_object_id AND sc.column_id = cc.column_id \
          WHERE ct.source_object_id = OBJECT_ID(@P1, N'U') \
          ORDER BY ct.capture_instance, cc.column_ordinal"
         ),

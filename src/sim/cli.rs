@@ -38,6 +38,7 @@ pub enum SimCommand {
     ///
     /// Examples:
     ///   sim alter --db demo.sim --add-column "discount decimal(5,2)"
+    ///   sim alter --db demo.sim --rename-column amount=total
     ///   sim alter --db demo.sim --enable-instance dbo_orders_v2
     ///   sim alter --db demo.sim --drop-instance dbo_orders
     ///   sim alter --db demo.sim --set capture_lag_ms=2000 --set allow_snapshot_isolation=false
@@ -182,6 +183,13 @@ pub struct AlterArgs {
     /// Drop a non-key column.
     #[arg(long)]
     pub drop_column: Vec<String>,
+    /// Rename a column, as `sp_rename 'schema.table.old', 'new', 'COLUMN'`:
+    /// "old=new". The column keeps its id and values; capture instances keep
+    /// capturing it under the old name (their change rows still carry it),
+    /// and report it renamed, so the steps that read the table refuse them
+    /// until a new instance captures the new name.
+    #[arg(long)]
+    pub rename_column: Vec<String>,
     /// Create a capture instance with this name (capturing the current columns).
     #[arg(long)]
     pub enable_instance: Vec<String>,
@@ -370,7 +378,8 @@ pub fn run(cmd: SimCommand) -> Result<serde_json::Value> {
                 db.set_config_value(k.trim(), v.trim())?;
                 done.push(format!("set {}", kv.trim()));
             }
-            let needs_table = !(a.add_column.is_empty() && a.drop_column.is_empty() && a.enable_instance.is_empty());
+            let needs_table =
+                !(a.add_column.is_empty() && a.drop_column.is_empty() && a.rename_column.is_empty() && a.enable_instance.is_empty());
             if needs_table {
                 let table = pick_table(&db, &a.table)?;
                 for c in &a.add_column {
@@ -380,6 +389,15 @@ pub fn run(cmd: SimCommand) -> Result<serde_json::Value> {
                 for c in &a.drop_column {
                     db.drop_column(&table, c)?;
                     done.push(format!("dropped column {c} from {table}"));
+                }
+                for r in &a.rename_column {
+                    let (old, new) = r
+                        .split_once('=')
+                        .map(|(o, n)| (o.trim(), n.trim()))
+                        .filter(|(o, n)| !o.is_empty() && !n.is_empty())
+                        .ok_or_else(|| SimError::BadArgument(format!("--rename-column '{r}' is not old=new (e.g. --rename-column amount=total)")))?;
+                    db.rename_column(&table, old, new)?;
+                    done.push(format!("renamed column {old} of {table} to {new}"));
                 }
                 for i in &a.enable_instance {
                     let ci = db.enable_cdc(&table, Some(i), None)?;

@@ -324,6 +324,10 @@ pub struct CleanupReport {
 pub(crate) struct TableMeta {
     pub id: i64,
     pub spec: TableSpec,
+    /// Each column's id (SQL Server's `column_id`), aligned with
+    /// `spec.columns`: assigned once and never reused, kept by a rename and
+    /// a type change, so it names a column whatever it is called now.
+    pub column_ids: Vec<i64>,
     /// Positions of the columns rows are ordered and found by (PK, else the unique index).
     pub key_cols: Vec<usize>,
     /// Positions of the unique index columns when it is separate from the PK.
@@ -335,6 +339,11 @@ pub(crate) struct TableMeta {
 impl TableMeta {
     pub fn column_index(&self, name: &str) -> Option<usize> {
         self.spec.columns.iter().position(|c| c.name.eq_ignore_ascii_case(name))
+    }
+
+    /// The position of the column with id `column_id`, while the table has it.
+    pub fn column_index_by_id(&self, column_id: i64) -> Option<usize> {
+        self.column_ids.iter().position(|&id| id == column_id)
     }
 
     /// The key columns' sort-key descriptions.
@@ -386,11 +395,59 @@ fn resolve_cols(spec: &TableSpec, names: &[String]) -> Result<Vec<usize>> {
         .collect()
 }
 
-pub(crate) fn table_meta(id: i64, spec: TableSpec, captured: bool) -> Result<TableMeta> {
+pub(crate) fn table_meta(id: i64, spec: TableSpec, column_ids: Vec<i64>, captured: bool) -> Result<TableMeta> {
+    if column_ids.len() != spec.columns.len() {
+        return Err(SimError::Corrupt(format!(
+            "table {} has {} columns but {} column ids",
+            spec.name,
+            spec.columns.len(),
+            column_ids.len()
+        )));
+    }
     let pk = resolve_cols(&spec, &spec.primary_key)?;
     let ui = resolve_cols(&spec, &spec.unique_index)?;
     let (key_cols, uk_cols) = if pk.is_empty() { (ui, vec![]) } else { (pk, ui) };
-    Ok(TableMeta { id, spec, key_cols, uk_cols, captured })
+    Ok(TableMeta { id, spec, column_ids, key_cols, uk_cols, captured })
+}
+
+/// The column ids stored with a table (`src_tables.column_ids`, a JSON
+/// array); a file written before ids were kept has NULL there, and its
+/// columns get 1..n in column order, as a table created then would have.
+fn parse_column_ids(text: Option<&str>, spec: &TableSpec) -> Result<Vec<i64>> {
+    match text {
+        None => Ok((1..=spec.columns.len() as i64).collect()),
+        Some(t) => serde_json::from_str(t).map_err(|e| SimError::Corrupt(format!("column ids of {}: {e}", spec.name))),
+    }
+}
+
+fn load_table(id: i64, spec: &str, column_ids: Option<&str>, captured: bool) -> Result<TableMeta> {
+    let spec: TableSpec = serde_json::from_str(spec).map_err(|e| SimError::Corrupt(format!("table spec: {e}")))?;
+    let ids = parse_column_ids(column_ids, &spec)?;
+    table_meta(id, spec, ids, captured)
+}
+
+/// Writes a table's definition and its column ids back.
+fn save_table(conn: &Connection, path: &Path, t: &TableMeta) -> Result<()> {
+    conn.execute(
+        "UPDATE src_tables SET spec = ?2, column_ids = ?3 WHERE id = ?1",
+        params![t.id, serde_json::to_string(&t.spec).expect("spec serialises"), serde_json::to_string(&t.column_ids).expect("ids serialise")],
+    )
+    .ctx(path)?;
+    Ok(())
+}
+
+/// For each captured column whose id the table still has under another
+/// name (compared ignoring ASCII case): captured name -> name now. A column
+/// whose id is gone was dropped, not renamed.
+fn renamed_columns(columns: &[ColumnDesc], column_ids: &[Option<i64>], t: &TableMeta) -> std::collections::BTreeMap<String, String> {
+    columns
+        .iter()
+        .zip(column_ids)
+        .filter_map(|(c, id)| {
+            let now = &t.spec.columns[t.column_index_by_id((*id)?)?].name;
+            (!now.eq_ignore_ascii_case(&c.name)).then(|| (c.name.clone(), now.clone()))
+        })
+        .collect()
 }
 
 /// An instance as stored.
@@ -402,6 +459,12 @@ pub(crate) struct InstanceRow {
     /// `__$command_id`: false for a table created before KB3030352.
     pub ct_command_id: bool,
     pub created_lsn: Lsn,
+    /// The source column id of each captured column, aligned with
+    /// `info.columns`: the capture job reads values by id, as SQL Server's
+    /// does, so a renamed column is still captured under its captured name.
+    /// None where an instance stored before ids were kept names a column
+    /// the table no longer has.
+    pub column_ids: Vec<Option<i64>>,
     pub info: CaptureInstance,
 }
 
@@ -411,14 +474,14 @@ pub(crate) struct InstanceRow {
 const SCHEMA: &str = "
 CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE src_tables(id INTEGER PRIMARY KEY, schema_name TEXT NOT NULL, name TEXT NOT NULL,
-    spec TEXT NOT NULL, heap_seq INTEGER NOT NULL DEFAULT 0);
+    spec TEXT NOT NULL, heap_seq INTEGER NOT NULL DEFAULT 0, column_ids TEXT, next_column_id INTEGER);
 CREATE UNIQUE INDEX src_tables_name ON src_tables(lower(schema_name), lower(name));
 CREATE TABLE rows(table_id INTEGER NOT NULL, sk BLOB NOT NULL, uk BLOB, data TEXT NOT NULL,
     PRIMARY KEY(table_id, sk)) WITHOUT ROWID;
 CREATE UNIQUE INDEX rows_uk ON rows(table_id, uk);
 CREATE TABLE instances(id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE COLLATE NOCASE,
     table_id INTEGER NOT NULL, start_lsn BLOB, created_lsn BLOB NOT NULL,
-    columns TEXT NOT NULL, index_columns TEXT NOT NULL, ct_command_id INTEGER NOT NULL DEFAULT 1);
+    columns TEXT NOT NULL, index_columns TEXT NOT NULL, ct_command_id INTEGER NOT NULL DEFAULT 1, column_ids TEXT);
 CREATE TABLE changes(instance_id INTEGER NOT NULL, start_lsn BLOB NOT NULL, command_id INTEGER NOT NULL,
     seqval BLOB NOT NULL, operation INTEGER NOT NULL, data TEXT NOT NULL,
     PRIMARY KEY(instance_id, start_lsn, command_id, seqval, operation)) WITHOUT ROWID;
@@ -534,78 +597,92 @@ pub(crate) fn load_tables(conn: &Connection, path: &Path) -> Result<Vec<TableMet
         let ids = st.query_map([], |r| r.get::<_, i64>(0)).ctx(path)?.collect::<rusqlite::Result<_>>().ctx(path)?;
         ids
     };
-    let mut st = conn.prepare_cached("SELECT id, spec FROM src_tables ORDER BY id").ctx(path)?;
+    let mut st = conn.prepare_cached("SELECT id, spec, column_ids FROM src_tables ORDER BY id").ctx(path)?;
     let rows = st
-        .query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))
+        .query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, Option<String>>(2)?)))
         .ctx(path)?
         .collect::<rusqlite::Result<Vec<_>>>()
         .ctx(path)?;
-    rows.into_iter()
-        .map(|(id, spec)| {
-            let spec: TableSpec = serde_json::from_str(&spec).map_err(|e| SimError::Corrupt(format!("table spec: {e}")))?;
-            table_meta(id, spec, captured.contains(&id))
-        })
-        .collect()
+    rows.into_iter().map(|(id, spec, ids)| load_table(id, &spec, ids.as_deref(), captured.contains(&id))).collect()
 }
 
 pub(crate) fn find_table(conn: &Connection, path: &Path, name: &TableName) -> Result<TableMeta> {
-    let row: Option<(i64, String)> = conn
+    let row: Option<(i64, String, Option<String>)> = conn
         .query_row(
-            "SELECT id, spec FROM src_tables WHERE lower(schema_name) = lower(?1) AND lower(name) = lower(?2)",
+            "SELECT id, spec, column_ids FROM src_tables WHERE lower(schema_name) = lower(?1) AND lower(name) = lower(?2)",
             [&name.schema, &name.name],
-            |r| Ok((r.get(0)?, r.get(1)?)),
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
         )
         .optional()
         .ctx(path)?;
-    let (id, spec) = row.ok_or_else(|| SimError::NoSuchTable(name.to_string()))?;
-    let spec: TableSpec = serde_json::from_str(&spec).map_err(|e| SimError::Corrupt(format!("table spec: {e}")))?;
+    let (id, spec, ids) = row.ok_or_else(|| SimError::NoSuchTable(name.to_string()))?;
     let captured: bool = conn
         .query_row("SELECT EXISTS(SELECT 1 FROM instances WHERE table_id = ?1)", [id], |r| r.get(0))
         .ctx(path)?;
-    table_meta(id, spec, captured)
+    load_table(id, &spec, ids.as_deref(), captured)
 }
 
 pub(crate) fn load_instances(conn: &Connection, path: &Path, table_id: Option<i64>) -> Result<Vec<InstanceRow>> {
     let mut st = conn
         .prepare_cached(
-            "SELECT i.id, i.name, i.table_id, i.start_lsn, i.created_lsn, i.columns, i.index_columns, t.schema_name, t.name, i.ct_command_id
+            "SELECT i.id, i.name, i.table_id, i.start_lsn, i.created_lsn, i.columns, i.index_columns, t.schema_name, t.name, i.ct_command_id,
+                    i.column_ids, t.spec, t.column_ids
              FROM instances i JOIN src_tables t ON t.id = i.table_id
              WHERE ?1 IS NULL OR i.table_id = ?1 ORDER BY i.id",
         )
         .ctx(path)?;
-    let raw = st
+    type Raw = (i64, String, i64, Option<Vec<u8>>, Vec<u8>, String, String, String, String, bool, Option<String>, String, Option<String>);
+    let raw: Vec<Raw> = st
         .query_map([table_id], |r| {
             Ok((
-                r.get::<_, i64>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, i64>(2)?,
-                r.get::<_, Option<Vec<u8>>>(3)?,
-                r.get::<_, Vec<u8>>(4)?,
-                r.get::<_, String>(5)?,
-                r.get::<_, String>(6)?,
-                r.get::<_, String>(7)?,
-                r.get::<_, String>(8)?,
-                r.get::<_, bool>(9)?,
+                r.get(0)?,
+                r.get(1)?,
+                r.get(2)?,
+                r.get(3)?,
+                r.get(4)?,
+                r.get(5)?,
+                r.get(6)?,
+                r.get(7)?,
+                r.get(8)?,
+                r.get(9)?,
+                r.get(10)?,
+                r.get(11)?,
+                r.get(12)?,
             ))
         })
         .ctx(path)?
         .collect::<rusqlite::Result<Vec<_>>>()
         .ctx(path)?;
     raw.into_iter()
-        .map(|(id, name, table_id, start, created, cols, idx, sch, tn, ct_command_id)| {
+        .map(|(id, name, table_id, start, created, cols, idx, sch, tn, ct_command_id, ids, spec, table_ids)| {
             let columns: Vec<ColumnDesc> = serde_json::from_str(&cols).map_err(|e| SimError::Corrupt(format!("instance columns: {e}")))?;
             let index_columns: Vec<String> = serde_json::from_str(&idx).map_err(|e| SimError::Corrupt(format!("instance index: {e}")))?;
+            let table = load_table(table_id, &spec, table_ids.as_deref(), true)?;
+            let column_ids: Vec<Option<i64>> = match ids {
+                Some(text) => {
+                    let ids: Vec<i64> = serde_json::from_str(&text).map_err(|e| SimError::Corrupt(format!("instance column ids: {e}")))?;
+                    if ids.len() != columns.len() {
+                        return Err(SimError::Corrupt(format!("capture instance '{name}' has {} columns but {} column ids", columns.len(), ids.len())));
+                    }
+                    ids.into_iter().map(Some).collect()
+                }
+                // Stored before ids were kept: the names were the table's then.
+                None => columns.iter().map(|c| table.column_index(&c.name).map(|i| table.column_ids[i])).collect(),
+            };
+            let renamed = renamed_columns(&columns, &column_ids, &table);
             Ok(InstanceRow {
                 id,
                 table_id,
                 ct_command_id,
                 created_lsn: lsn_from_blob(created)?,
+                column_ids,
                 info: CaptureInstance {
                     name,
                     table: TableName::new(sch, tn),
                     start_lsn: start.map(lsn_from_blob).transpose()?,
                     columns,
                     index_columns,
+                    renamed,
                 },
             })
         })
@@ -784,6 +861,11 @@ fn is_constraint(e: &rusqlite::Error) -> bool {
 // ---------------------------------------------------------------------------
 // The pending transaction log.
 
+/// A row image as the log holds it: each value under its column's id, so
+/// the capture job finds an instance's column whatever the column is called
+/// when the job runs (a rename between the commit and the scan changes nothing).
+type Image = Vec<(i64, SqlValue)>;
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct PendingOp {
     table_id: i64,
@@ -792,12 +874,12 @@ struct PendingOp {
     key_changed: bool,
     seqval: Lsn,
     command_id: i32,
-    before: Option<Vec<(String, SqlValue)>>,
-    after: Option<Vec<(String, SqlValue)>>,
+    before: Option<Image>,
+    after: Option<Image>,
 }
 
-fn named(t: &TableMeta, row: &[SqlValue]) -> Vec<(String, SqlValue)> {
-    t.spec.columns.iter().zip(row).map(|(c, v)| (c.name.clone(), v.clone())).collect()
+fn image_of(t: &TableMeta, row: &[SqlValue]) -> Image {
+    t.column_ids.iter().zip(row).map(|(id, v)| (*id, v.clone())).collect()
 }
 
 struct LoggedOp {
@@ -808,8 +890,8 @@ struct LoggedOp {
     command_pos: (u64, u64),
     kind: u8,
     key_changed: bool,
-    before: Option<Vec<(String, SqlValue)>>,
-    after: Option<Vec<(String, SqlValue)>>,
+    before: Option<Image>,
+    after: Option<Image>,
 }
 
 /// A write transaction in progress; see [`SimDb::transaction`].
@@ -897,7 +979,7 @@ impl<'a> SimTx<'a> {
                 kind: 2,
                 key_changed: false,
                 before: None,
-                after: Some(named(&t, &row)),
+                after: Some(image_of(&t, &row)),
             });
         }
         Ok(())
@@ -935,8 +1017,8 @@ impl<'a> SimTx<'a> {
                 command_pos: (self.statements, 0),
                 kind: 3,
                 key_changed,
-                before: Some(named(&t, &old_row)),
-                after: Some(named(&t, &new_row)),
+                before: Some(image_of(&t, &old_row)),
+                after: Some(image_of(&t, &new_row)),
             });
         }
         Ok(())
@@ -954,7 +1036,7 @@ impl<'a> SimTx<'a> {
                 command_pos: (self.statements, 0),
                 kind: 1,
                 key_changed: false,
-                before: Some(named(&t, &old_row)),
+                before: Some(image_of(&t, &old_row)),
                 after: None,
             });
         }
@@ -1015,7 +1097,7 @@ impl<'a> SimTx<'a> {
                     kind: 2,
                     key_changed: false,
                     before: None,
-                    after: Some(named(&t, row)),
+                    after: Some(image_of(&t, row)),
                 });
             }
             for (i, (_, row)) in old_rows.iter().enumerate() {
@@ -1024,7 +1106,7 @@ impl<'a> SimTx<'a> {
                     command_pos: (statement, i as u64),
                     kind: 1,
                     key_changed: false,
-                    before: Some(named(&t, row)),
+                    before: Some(image_of(&t, row)),
                     after: None,
                 });
             }
@@ -1135,12 +1217,13 @@ pub(crate) fn capture_conn(conn: &mut Connection, path: &Path) -> Result<Capture
                     continue;
                 }
                 for inst in instances.iter().filter(|i| i.table_id == op.table_id && commit > i.created_lsn) {
-                    let image = |img: &Option<Vec<(String, SqlValue)>>, operation: i32, other: Option<&Vec<(String, SqlValue)>>| -> String {
+                    let image = |img: &Option<Image>, operation: i32, other: Option<&Image>| -> String {
                         let vals: Vec<SqlValue> = inst
                             .info
                             .columns
                             .iter()
-                            .map(|c| lob_rule(c, operation, img.as_ref(), other))
+                            .zip(&inst.column_ids)
+                            .map(|(c, id)| lob_rule(c, *id, operation, img.as_ref(), other))
                             .collect();
                         serde_json::to_string(&vals).expect("values serialise")
                     };
@@ -1214,13 +1297,18 @@ pub(crate) fn capture_conn(conn: &mut Connection, path: &Path) -> Result<Capture
     Ok(report)
 }
 
-/// The value a change row holds for a captured column, with SQL Server's LOB
-/// rules: text/ntext/image are NULL in deletes and before-images; the (max)
-/// types are NULL in before-images unless the update changed them. A column
-/// the image lacks (dropped since) is NULL.
-fn lob_rule(c: &ColumnDesc, operation: i32, img: Option<&Vec<(String, SqlValue)>>, after: Option<&Vec<(String, SqlValue)>>) -> SqlValue {
-    let get = |img: Option<&Vec<(String, SqlValue)>>| {
-        img.and_then(|v| v.iter().find(|(n, _)| n.eq_ignore_ascii_case(&c.name)).map(|(_, v)| v.clone())).unwrap_or(SqlValue::Null)
+/// The value a change row holds for a captured column (`c`, whose source
+/// column id is `column_id`), with SQL Server's LOB rules: text/ntext/image
+/// are NULL in deletes and before-images; the (max) types are NULL in
+/// before-images unless the update changed them. The value is found by the
+/// column's id, as SQL Server's capture maps columns, so a renamed column is
+/// captured under the instance's name for it; a column the image lacks
+/// (dropped since, even if another column took its name) is NULL.
+fn lob_rule(c: &ColumnDesc, column_id: Option<i64>, operation: i32, img: Option<&Image>, after: Option<&Image>) -> SqlValue {
+    let get = |img: Option<&Image>| {
+        img.zip(column_id)
+            .and_then(|(v, id)| v.iter().find(|(i, _)| *i == id).map(|(_, v)| v.clone()))
+            .unwrap_or(SqlValue::Null)
     };
     let old_lob = matches!(c.sql_type, SqlType::Text | SqlType::NText | SqlType::Image);
     let max_lob = matches!(
@@ -1468,7 +1556,9 @@ impl SimDb {
 
     /// Creates a source table.
     pub fn create_table(&self, spec: &TableSpec) -> Result<()> {
-        let meta = table_meta(0, spec.clone(), false)?;
+        // Column ids 1..n in column order, as SQL Server numbers a new table's columns.
+        let column_ids: Vec<i64> = (1..=spec.columns.len() as i64).collect();
+        let meta = table_meta(0, spec.clone(), column_ids.clone(), false)?;
         if spec.columns.is_empty() {
             return Err(SimError::BadArgument(format!("table {} needs at least one column", spec.name)));
         }
@@ -1491,15 +1581,21 @@ impl SimDb {
             }
         }
         let mut spec = spec.clone();
-        for &i in &table_meta(0, spec.clone(), false)?.key_cols {
+        for &i in &meta.key_cols {
             if !spec.primary_key.is_empty() {
                 spec.columns[i].nullable = false;
             }
         }
         self.write(|c, p| {
             let r = c.execute(
-                "INSERT INTO src_tables(schema_name, name, spec) VALUES (?1, ?2, ?3)",
-                params![spec.name.schema, spec.name.name, serde_json::to_string(&spec).expect("spec serialises")],
+                "INSERT INTO src_tables(schema_name, name, spec, column_ids, next_column_id) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![
+                    spec.name.schema,
+                    spec.name.name,
+                    serde_json::to_string(&spec).expect("spec serialises"),
+                    serde_json::to_string(&column_ids).expect("ids serialise"),
+                    column_ids.len() as i64 + 1
+                ],
             );
             match r {
                 Err(e) if is_constraint(&e) => Err(SimError::TableExists(spec.name.to_string())),
@@ -1653,27 +1749,37 @@ impl SimDb {
             if load_instances(c, p, Some(t.id))?.len() >= 2 {
                 return Err(SimError::TooManyInstances(t.spec.name.to_string()));
             }
-            let columns: Vec<ColumnDesc> = match captured_columns {
-                None => t.spec.columns.clone(),
+            let positions: Vec<usize> = match captured_columns {
+                None => (0..t.spec.columns.len()).collect(),
                 Some(names) => {
-                    let idx = resolve_cols(&t.spec, &names)?;
-                    let mut idx: Vec<usize> = idx;
+                    let mut idx = resolve_cols(&t.spec, &names)?;
                     idx.extend(resolve_cols(&t.spec, &index_columns)?);
                     idx.sort_unstable();
                     idx.dedup();
-                    idx.into_iter().map(|i| t.spec.columns[i].clone()).collect()
+                    idx
                 }
             };
+            let columns: Vec<ColumnDesc> = positions.iter().map(|&i| t.spec.columns[i].clone()).collect();
+            // cdc.captured_columns.column_id: what the capture job reads each column by.
+            let column_ids: Vec<i64> = positions.iter().map(|&i| t.column_ids[i]).collect();
             let lsn = Lsn::from_u128(alloc_lsns(c, p, 1)?);
-            let info = CaptureInstance { name: name.clone(), table: t.spec.name.clone(), start_lsn: Some(lsn), columns, index_columns };
+            let info = CaptureInstance {
+                name: name.clone(),
+                table: t.spec.name.clone(),
+                start_lsn: Some(lsn),
+                columns,
+                index_columns,
+                renamed: Default::default(),
+            };
             c.execute(
-                "INSERT INTO instances(name, table_id, start_lsn, created_lsn, columns, index_columns) VALUES (?1, ?2, ?3, ?3, ?4, ?5)",
+                "INSERT INTO instances(name, table_id, start_lsn, created_lsn, columns, index_columns, column_ids) VALUES (?1, ?2, ?3, ?3, ?4, ?5, ?6)",
                 params![
                     name,
                     t.id,
                     lsn.0.to_vec(),
                     serde_json::to_string(&info.columns).expect("columns serialise"),
-                    serde_json::to_string(&info.index_columns).expect("names serialise")
+                    serde_json::to_string(&info.index_columns).expect("names serialise"),
+                    serde_json::to_string(&column_ids).expect("ids serialise")
                 ],
             )
             .ctx(p)?;
@@ -1755,9 +1861,13 @@ impl SimDb {
                     column.name, t.spec.name
                 )));
             }
+            // A new id above every id the table ever had: a dropped column's id is never reused.
+            let next: Option<i64> = c.query_row("SELECT next_column_id FROM src_tables WHERE id = ?1", [t.id], |r| r.get(0)).ctx(p)?;
+            let id = next.unwrap_or_else(|| t.column_ids.iter().max().copied().unwrap_or(0) + 1);
             t.spec.columns.push(column);
-            c.execute("UPDATE src_tables SET spec = ?2 WHERE id = ?1", params![t.id, serde_json::to_string(&t.spec).expect("spec serialises")])
-                .ctx(p)?;
+            t.column_ids.push(id);
+            save_table(c, p, &t)?;
+            c.execute("UPDATE src_tables SET next_column_id = ?2 WHERE id = ?1", params![t.id, id + 1]).ctx(p)?;
             Ok(())
         })
     }
@@ -1784,9 +1894,13 @@ impl SimDb {
                     up.execute(params![t.id, sk, serde_json::to_string(&row).expect("values serialise")]).ctx(p)?;
                 }
             }
+            // The high-water mark outlives the column, so its id is never
+            // handed out again (a file from before the mark was kept gets one now).
+            let high = t.column_ids.iter().max().copied().unwrap_or(0) + 1;
             t.spec.columns.remove(i);
-            c.execute("UPDATE src_tables SET spec = ?2 WHERE id = ?1", params![t.id, serde_json::to_string(&t.spec).expect("spec serialises")])
-                .ctx(p)?;
+            t.column_ids.remove(i);
+            save_table(c, p, &t)?;
+            c.execute("UPDATE src_tables SET next_column_id = coalesce(next_column_id, ?2) WHERE id = ?1", params![t.id, high]).ctx(p)?;
             Ok(())
         })
     }
@@ -1820,12 +1934,13 @@ impl SimDb {
                 }
             }
             t.spec.columns[i] = altered;
-            c.execute("UPDATE src_tables SET spec = ?2 WHERE id = ?1", params![t.id, serde_json::to_string(&t.spec).expect("spec serialises")])
-                .ctx(p)?;
+            save_table(c, p, &t)?;
+            // The instances that capture this column by id, whatever they call it.
+            let column_id = t.column_ids[i];
             for inst in load_instances(c, p, Some(t.id))? {
                 let mut columns = inst.info.columns.clone();
                 let mut touched = false;
-                for col in columns.iter_mut().filter(|col| col.name.eq_ignore_ascii_case(column)) {
+                for (col, _) in columns.iter_mut().zip(&inst.column_ids).filter(|(_, id)| **id == Some(column_id)) {
                     col.sql_type = new_type.clone();
                     touched = true;
                 }
@@ -1838,6 +1953,41 @@ impl SimDb {
                 }
             }
             Ok(())
+        })
+    }
+
+    /// `sp_rename 'schema.table.old', 'new', 'COLUMN'`: the column keeps its
+    /// id, type, values and place, and takes the new name in the table, its
+    /// keys and its collation. Capture instances are left as SQL Server
+    /// leaves them: their captured column (and an index column,
+    /// `cdc.index_columns`) keeps the old name, and the capture job goes on
+    /// capturing it under that name, by id. `capture_instances` reports the
+    /// rename ([`CaptureInstance::renamed`]). A change of case only is allowed
+    /// and is no rename there.
+    pub fn rename_column(&self, table: &TableName, old: &str, new: &str) -> Result<()> {
+        self.write(|c, p| {
+            let mut t = find_table(c, p, table)?;
+            let i = t.column_index(old).ok_or_else(|| SimError::NoSuchColumn { table: t.spec.name.to_string(), column: old.into() })?;
+            if new.trim().is_empty() || new.chars().count() > 128 {
+                return Err(SimError::BadArgument(format!("'{new}' is not a column name: it must have 1 to 128 characters")));
+            }
+            if let Some(j) = t.column_index(new).filter(|&j| j != i) {
+                return Err(SimError::BadArgument(format!(
+                    "table {} already has a column '{}': rename to a name no other column uses (names compare case-insensitively)",
+                    t.spec.name, t.spec.columns[j].name
+                )));
+            }
+            let was = std::mem::replace(&mut t.spec.columns[i].name, new.to_string());
+            for k in t.spec.primary_key.iter_mut().chain(t.spec.unique_index.iter_mut()) {
+                if k.eq_ignore_ascii_case(&was) {
+                    *k = new.to_string();
+                }
+            }
+            if let Some(key) = t.spec.collations.keys().find(|k| k.eq_ignore_ascii_case(&was)).cloned() {
+                let collation = t.spec.collations.remove(&key).expect("found just now");
+                t.spec.collations.insert(new.to_string(), collation);
+            }
+            save_table(c, p, &t)
         })
     }
 
@@ -1935,6 +2085,7 @@ impl SimDb {
                         "min_lsn": i.info.start_lsn,
                         "columns": i.info.columns.iter().map(|c| format!("{} {}", c.name, c.sql_type)).collect::<Vec<_>>(),
                         "index_columns": i.info.index_columns,
+                        "renamed": i.info.renamed,
                         "change_rows": rows,
                     })
                 })

@@ -33,8 +33,10 @@
 //!   errors ([`SimDb::inject_server_error`]) and a cleanup that races the
 //!   next change read ([`SimDb::cleanup_before_next_change_read`]).
 //! - **Schema changes**: added columns are ignored by existing capture
-//!   instances; dropped captured columns read as NULL; at most two instances
-//!   per table.
+//!   instances; dropped captured columns read as NULL; a renamed column
+//!   ([`SimDb::rename_column`]) keeps its column id, so an instance goes on
+//!   capturing it under the old name and reports the rename
+//!   (`CaptureInstance::renamed`); at most two instances per table.
 //!
 //! [`workload`] drives a random transactional workload and provides the
 //! `orders` demo table; [`cli`] is the `mssql-cdc sim ...` subcommand.

@@ -22,7 +22,7 @@ use crate::source::{
     BatchStream, CaptureInstance, CdcSource, ChangeBatchBuilder, ChangeRow, Isolation, KeyRange, RowFilter, ServerZone, SnapshotRead, FencedRead,
     SourceError, TableInfo, TableName, TimeOp,
 };
-use crate::types::{BatchBuilder, Key, SqlValue};
+use crate::types::{BatchBuilder, ColumnDesc, Key, SqlValue};
 
 use super::bounds::RangePredicate;
 use super::db::{self, FaultOn, SimConfig, SimError, SqlCtx, TableMeta};
@@ -85,7 +85,7 @@ impl SimSource {
         self.stream_with(FaultOn::Snapshot, read.batch_rows, fence, move |conn, path, cfg, sink| {
             check_isolation(cfg, isolation, path)?;
             let t = self::table(conn, path, &read.table)?;
-            let cols: Vec<Option<usize>> = read.columns.iter().map(|c| t.column_index(&c.name)).collect();
+            let cols = read_positions(conn, path, &t, &read.columns)?;
             let key_pos = key_positions(&t, &read.keys)?;
             // The statement fails before any row is read when a bound does not convert.
             let pred = RangePredicate::new(&key_types(&t, &key_pos), &read.range)?;
@@ -487,6 +487,38 @@ fn key_positions(t: &TableMeta, keys: &[String]) -> Result<Vec<usize>, SourceErr
             t.column_index(k).ok_or_else(|| SourceError::Config(format!("table {} has no column '{k}' to cut ranges on", t.spec.name)))
         })
         .collect()
+}
+
+/// Where each column a snapshot read names is in the table's rows; None for
+/// a captured column that was dropped (its id is gone), read as NULL as the
+/// client reads one. A captured column renamed since (its id still there
+/// under another name) is refused, naming the rename: a SELECT of the old
+/// name fails on SQL Server (error 207), and the engine never asks for one
+/// (`engine::check_no_renamed_columns`), so reading NULL here would only hide
+/// a step that forgot to ask.
+fn read_positions(conn: &Connection, path: &Path, t: &TableMeta, columns: &[ColumnDesc]) -> Result<Vec<Option<usize>>, SourceError> {
+    let mut renamed: Option<std::collections::BTreeMap<String, String>> = None;
+    let mut out = Vec::with_capacity(columns.len());
+    for c in columns {
+        if let Some(i) = t.column_index(&c.name) {
+            out.push(Some(i));
+            continue;
+        }
+        if renamed.is_none() {
+            let instances = db::load_instances(conn, path, Some(t.id)).map_err(|e| map_err(path, e))?;
+            renamed = Some(instances.into_iter().flat_map(|i| i.info.renamed).collect());
+        }
+        let now = renamed.as_ref().and_then(|r| r.iter().find(|(old, _)| old.eq_ignore_ascii_case(&c.name)).map(|(_, now)| now.clone()));
+        if let Some(now) = now {
+            return Err(SourceError::Config(format!(
+                "invalid column name '{}' in a read of {} (SQL Server error 207): the column was renamed to '{now}', and its capture \
+                 instance still captures it as '{}'; read a capture instance that captures '{now}'",
+                c.name, t.spec.name, c.name
+            )));
+        }
+        out.push(None);
+    }
+    Ok(out)
 }
 
 fn table(conn: &Connection, path: &Path, name: &TableName) -> Result<TableMeta, SourceError> {

@@ -484,6 +484,69 @@ async fn schema_changes_keep_instance_shapes() {
 }
 
 #[tokio::test]
+async fn a_renamed_column_is_captured_under_its_old_name_by_id() {
+    let (_d, db, src, ci) = setup(manual("2026-03-01T12:00:00Z", 10), 3);
+    // Committed before the rename, captured after it (at the next source
+    // call): the log holds values by column id, so the name at scan time does not matter.
+    let l1 = db.transaction(|tx| tx.update(&orders(), &vec![SqlValue::Int(1)], order(1, "before"))).unwrap();
+    db.rename_column(&orders(), "status", "state").unwrap();
+    let l2 = db.transaction(|tx| tx.update(&orders(), &vec![SqlValue::Int(2)], order(2, "after"))).unwrap();
+    let rows = changes(&src, &ci, ci.start_lsn.unwrap(), l2, RowFilter::All).await;
+    assert_eq!(rows.iter().map(|r| (r.lsn, r.op)).collect::<Vec<_>>(), vec![(l1, 4), (l2, 4)]);
+    assert_eq!(rows[0].vals[3], SqlValue::Str("before".into()), "the value committed before the rename");
+    assert_eq!(rows[1].vals[3], SqlValue::Str("after".into()), "the value written under the new name, captured under the old one");
+
+    // The table has the new name; the instance keeps the old one and reports the rename.
+    assert_eq!(src.table_info(&orders()).await.unwrap().columns[3].name, "state");
+    let cis = src.capture_instances(&orders()).await.unwrap();
+    assert_eq!(cis[0].columns[3].name, "status");
+    let want: std::collections::BTreeMap<String, String> = [("status".to_string(), "state".to_string())].into();
+    assert_eq!(cis[0].renamed, want);
+    assert_eq!(db.capture_instances(&orders()).unwrap()[0].renamed, want, "the admin API reports it too");
+    // A read of the old name is refused with both names, not read as NULL.
+    let e = read_all(&src, &ci.columns, &["id"], KeyRange::all(), Isolation::ReadCommitted).await.unwrap_err();
+    assert!(matches!(&e, SourceError::Config(m) if m.contains("'status'") && m.contains("'state'")), "{e}");
+
+    // Renames that SQL Server refuses; a change of case only is no rename.
+    assert!(matches!(db.rename_column(&orders(), "state", "CUSTOMER"), Err(SimError::BadArgument(m)) if m.contains("customer")));
+    assert!(matches!(db.rename_column(&orders(), "nope", "x"), Err(SimError::NoSuchColumn { .. })));
+    db.rename_column(&orders(), "amount", "Amount").unwrap();
+    assert_eq!(src.capture_instances(&orders()).await.unwrap()[0].renamed, want);
+
+    // A key column renamed: the instance's index columns keep the old name, as cdc.index_columns does.
+    db.rename_column(&orders(), "id", "order_id").unwrap();
+    assert_eq!(src.table_info(&orders()).await.unwrap().unique_key, vec!["order_id".to_string()]);
+    let cis = src.capture_instances(&orders()).await.unwrap();
+    assert_eq!(cis[0].index_columns, vec!["id".to_string()]);
+    assert_eq!(cis[0].renamed.get("id").map(String::as_str), Some("order_id"));
+
+    // A new column that takes the old name is another column (a new id): the
+    // old instance goes on capturing the renamed one, never the newcomer.
+    db.add_column(&orders(), ColumnDesc::new("status", SqlType::VarChar { len: Some(12) }, true)).unwrap();
+    let mut r = order(3, "kept");
+    r.push(SqlValue::Str("newcomer".into()));
+    let l3 = db.transaction(|tx| tx.update(&orders(), &vec![SqlValue::Int(3)], r)).unwrap();
+    let rows = changes(&src, &ci, l3, l3, RowFilter::All).await;
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].vals[3], SqlValue::Str("kept".into()));
+    // A new instance captures the columns as they are named now: nothing renamed.
+    let ci2 = db.enable_cdc(&orders(), Some("dbo_orders_v2"), None).unwrap();
+    assert_eq!(ci2.columns.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), vec!["order_id", "customer", "Amount", "state", "created_at", "note", "status"]);
+    assert!(src.capture_instances(&orders()).await.unwrap()[1].renamed.is_empty());
+
+    // A dropped column is dropped, not renamed: NULL from then on, and not reported.
+    db.drop_column(&orders(), "state").unwrap();
+    let cis = src.capture_instances(&orders()).await.unwrap();
+    assert!(!cis[0].renamed.contains_key("status"), "{:?}", cis[0].renamed);
+    let mut r = order(1, "x");
+    r.remove(3);
+    r.push(SqlValue::Str("new".into()));
+    let l4 = db.transaction(|tx| tx.update(&orders(), &vec![SqlValue::Int(1)], r)).unwrap();
+    let rows = changes(&src, &ci, l4, l4, RowFilter::All).await;
+    assert_eq!(rows[0].vals[3], SqlValue::Null, "a dropped column reads as NULL");
+}
+
+#[tokio::test]
 async fn idle_rows_and_untracked_transactions() {
     let mut cfg = manual("2026-03-01T12:00:00Z", 10);
     cfg.idle_interval_seconds = 60;
@@ -575,6 +638,8 @@ fn cli_creates_writes_and_reports() {
     assert!(run_args(&["create", "--db", d]).is_err(), "an existing file is not overwritten");
     run_args(&["write", "--db", d, "--transactions", "20", "--tx-per-s", "0", "--mix", "insert=1,update=1,delete=1,key_update=1"]).unwrap();
     run_args(&["alter", "--db", d, "--set", "capture_lag_ms=5000", "--add-column", "extra int"]).unwrap();
+    run_args(&["alter", "--db", d, "--rename-column", "note=remark"]).unwrap();
+    assert!(run_args(&["alter", "--db", d, "--rename-column", "remark"]).is_err(), "a rename needs old=new");
     run_args(&["fault", "--db", d, "--on", "snapshot", "--after-rows", "3"]).unwrap();
     let cap = run_args(&["capture", "--db", d]).unwrap();
     assert_eq!(cap["transactions"], 0, "the lag holds the transactions back");
@@ -583,6 +648,7 @@ fn cli_creates_writes_and_reports() {
     assert_eq!(st["pending_transactions"], 0);
     assert_eq!(st["armed_faults"], 1);
     assert!(st["max_lsn"].is_string());
+    assert_eq!(st["tables"][0]["capture_instances"][0]["renamed"]["note"], "remark", "{st}");
     run_args(&["cleanup", "--db", d, "--retention-minutes", "0"]).unwrap();
     let cols = cli::parse_columns("id bigint not null, price decimal(10, 2), name nvarchar(max) null").unwrap();
     assert_eq!(cols[1].sql_type, SqlType::Decimal { precision: 10, scale: 2 });

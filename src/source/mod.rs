@@ -96,6 +96,17 @@ pub struct CaptureInstance {
     /// The columns that identify a row (`index_column_list`); empty when the
     /// table has no primary key or unique index.
     pub index_columns: Vec<String>,
+    /// Captured columns renamed at the source since the instance was created
+    /// (`sp_rename`): captured column name (as in `columns`) -> the name the
+    /// source table gives that column now (the same `column_id`). Only columns
+    /// whose current name differs ignoring ASCII case are listed; a dropped
+    /// column is not (it has no name now). The change table and the change
+    /// function keep returning the column under its captured name, so change
+    /// rows are right; a snapshot read selects names from the source table,
+    /// which no longer has the captured one, so every step that reads the
+    /// table refuses such an instance (`engine::check_no_renamed_columns`).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub renamed: std::collections::BTreeMap<String, String>,
 }
 
 impl CaptureInstance {
@@ -354,7 +365,9 @@ pub trait CdcSource: Send + Sync {
     async fn table_info(&self, table: &TableName) -> Result<TableInfo, SourceError>;
 
     /// The table's capture instances (at most two), oldest first, with start
-    /// LSN, captured columns (ordinal order, with types) and index columns.
+    /// LSN, captured columns (ordinal order, with types), index columns, and
+    /// the captured columns the source table now names otherwise
+    /// ([`CaptureInstance::renamed`], matched by column id, never by name).
     /// Empty when CDC is not enabled on the table.
     async fn capture_instances(&self, table: &TableName) -> Result<Vec<CaptureInstance>, SourceError>;
 
