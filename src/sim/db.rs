@@ -137,6 +137,10 @@ pub struct SimConfig {
     /// When > 0, an idle capture scan writes a mapping row (tran_id 0x00)
     /// once this many seconds have passed since the last mapping row.
     pub idle_interval_seconds: u64,
+    /// How long a locking read waits behind a writer's lock before it fails
+    /// with error 1222 (`SET LOCK_TIMEOUT`, or the client's command timeout,
+    /// on a real server). None: it waits until the lock is let go.
+    pub lock_timeout_ms: Option<u64>,
     /// When set, the capture job also runs cleanup this often.
     pub auto_cleanup_interval_minutes: Option<u64>,
     /// Seed for anything random the simulator does itself.
@@ -155,6 +159,7 @@ impl Default for SimConfig {
             conn_rows_per_s: None,
             query_latency_ms: 0,
             idle_interval_seconds: 0,
+            lock_timeout_ms: None,
             auto_cleanup_interval_minutes: None,
             seed: 0,
         }
@@ -490,6 +495,7 @@ CREATE TABLE lsn_time_mapping(start_lsn BLOB PRIMARY KEY, tran_begin_ticks INTEG
 CREATE INDEX mapping_end ON lsn_time_mapping(tran_end_ticks);
 CREATE TABLE pending(commit_lsn BLOB PRIMARY KEY, begin_lsn BLOB NOT NULL, begin_us INTEGER NOT NULL,
     commit_us INTEGER NOT NULL, ops TEXT NOT NULL);
+CREATE TABLE locks(table_id INTEGER PRIMARY KEY, holder TEXT NOT NULL);
 CREATE TABLE faults(id INTEGER PRIMARY KEY, on_kind TEXT NOT NULL, after_rows INTEGER NOT NULL,
     remaining INTEGER NOT NULL, error_number INTEGER);
 ";
@@ -1118,6 +1124,11 @@ impl<'a> SimTx<'a> {
 fn dup_key(t: &TableMeta, row: &[SqlValue]) -> Vec<SqlValue> {
     let cols = if t.key_cols.is_empty() { &t.uk_cols } else { &t.key_cols };
     cols.iter().map(|&i| row[i].clone()).collect()
+}
+
+/// Who holds a writer's lock on table `table_id`, if anyone (see [`SimDb::hold_lock`]).
+pub(crate) fn lock_holder(conn: &Connection, path: &Path, table_id: i64) -> Result<Option<String>> {
+    conn.query_row("SELECT holder FROM locks WHERE table_id = ?1", [table_id], |r| r.get(0)).optional().ctx(path)
 }
 
 // ---------------------------------------------------------------------------
@@ -1823,6 +1834,31 @@ impl SimDb {
     /// range, moving every instance's min LSN up to the max LSN: the race
     /// where cleanup passes a stream between its check of the min LSN and its
     /// read, so the read itself fails with error 313.
+    /// A writer's exclusive lock on `table`, held until [`SimDb::release_lock`]
+    /// (an open transaction that has changed the table, as far as readers
+    /// can tell). Locking reads of the table (READ COMMITTED, and fenced
+    /// reads) wait behind it for up to `lock_timeout_ms` and then fail with
+    /// error 1222; SNAPSHOT reads do not wait (they read row versions), nor
+    /// do the change tables. The lock lives in the file, so it holds for
+    /// every process that reads it.
+    pub fn hold_lock(&self, table: &TableName, holder: &str) -> Result<()> {
+        self.write(|c, p| {
+            let t = find_table(c, p, table)?;
+            c.execute("INSERT INTO locks(table_id, holder) VALUES (?1, ?2) ON CONFLICT(table_id) DO UPDATE SET holder = excluded.holder", params![t.id, holder])
+                .ctx(p)?;
+            Ok(())
+        })
+    }
+
+    /// Lets go of the lock [`SimDb::hold_lock`] took.
+    pub fn release_lock(&self, table: &TableName) -> Result<()> {
+        self.write(|c, p| {
+            let t = find_table(c, p, table)?;
+            c.execute("DELETE FROM locks WHERE table_id = ?1", [t.id]).ctx(p)?;
+            Ok(())
+        })
+    }
+
     pub fn cleanup_before_next_change_read(&self) -> Result<()> {
         self.write(|c, p| {
             c.execute("INSERT INTO faults(on_kind, after_rows, remaining) VALUES ('cleanup_before_changes', 0, 1)", []).ctx(p)?;

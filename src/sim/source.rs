@@ -82,7 +82,9 @@ impl SimSource {
         let read = read.clone();
         // A fenced read takes locks whatever the isolation (HOLDLOCK is SERIALIZABLE's locking read).
         let isolation = if fence.is_some() { Isolation::ReadCommitted } else { read.isolation };
-        self.stream_with(FaultOn::Snapshot, read.batch_rows, fence, move |conn, path, cfg, sink| {
+        // A locking read waits behind a writer's lock; a SNAPSHOT read reads row versions.
+        let locking = (isolation == Isolation::ReadCommitted).then(|| read.table.clone());
+        self.stream_with(FaultOn::Snapshot, read.batch_rows, fence, locking, move |conn, path, cfg, sink| {
             check_isolation(cfg, isolation, path)?;
             let t = self::table(conn, path, &read.table)?;
             let cols = read_positions(conn, path, &t, &read.columns)?;
@@ -118,7 +120,7 @@ impl SimSource {
     where
         F: FnOnce(&Connection, &Path, &SimConfig, &mut Sink) -> Result<(), SourceError> + Send + 'static,
     {
-        self.stream_with(on, batch_rows, None, body).await
+        self.stream_with(on, batch_rows, None, None, body).await
     }
 
     /// [`SimSource::stream`], optionally fenced: with `fence`, the read runs
@@ -133,6 +135,7 @@ impl SimSource {
         on: FaultOn,
         batch_rows: usize,
         fence: Option<oneshot::Sender<Result<NaiveDateTime, SourceError>>>,
+        locking: Option<TableName>,
         body: F,
     ) -> Result<BatchStream, SourceError>
     where
@@ -163,6 +166,10 @@ impl SimSource {
                     db::take_cleanup_before_changes(&mut conn, &path).map_err(|e| map_err(&path, e))?;
                 }
                 sink.rate = cfg.conn_rows_per_s.filter(|r| *r > 0);
+                if let Some(table) = &locking {
+                    // Before the transaction: inside it, SQLite's snapshot would never see the lock go.
+                    wait_for_lock(&conn, &path, &cfg, table)?;
+                }
                 let fenced = fence.is_some();
                 conn.execute_batch(if fenced { "BEGIN IMMEDIATE" } else { "BEGIN DEFERRED" }).ctx(&path).map_err(|e| map_err(&path, e))?;
                 let r = body(&conn, &path, &cfg, &mut sink);
@@ -216,6 +223,29 @@ fn fence_under_lock(conn: &Connection, path: &Path, cfg: &SimConfig) -> Result<N
     let fence = db::wall_clock(&zone, at);
     pass()?;
     Ok(fence)
+}
+
+/// Waits while a writer holds a lock on `table` ([`super::SimDb::hold_lock`]),
+/// for up to `lock_timeout_ms`, then fails as SQL Server does: error 1222.
+fn wait_for_lock(conn: &Connection, path: &Path, cfg: &SimConfig, table: &TableName) -> Result<(), SourceError> {
+    let t = self::table(conn, path, table)?;
+    let started = Instant::now();
+    let mut waited = false;
+    while let Some(holder) = db::lock_holder(conn, path, t.id).map_err(|e| map_err(path, e))? {
+        if cfg.lock_timeout_ms.is_some_and(|ms| started.elapsed() >= Duration::from_millis(ms)) {
+            return Err(crate::mssql::client::classify_server_error(
+                1222,
+                &format!("Lock request time out period exceeded: {table} is locked by {holder} (simulated)"),
+                None,
+            ));
+        }
+        waited = true;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if waited {
+        tracing::debug!(%table, waited_ms = started.elapsed().as_millis() as u64, "the read waited behind a writer's lock");
+    }
+    Ok(())
 }
 
 /// Opens a connection, sleeps the configured latency and runs a due capture scan.
