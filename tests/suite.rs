@@ -24,6 +24,8 @@ mod mssql_integration;
 mod reconcile_tiers;
 #[path = "records_lock.rs"]
 mod records_lock;
+#[path = "records_more.rs"]
+mod records_more;
 #[path = "records_rules.rs"]
 mod records_rules;
 #[path = "records_untested.rs"]
