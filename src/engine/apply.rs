@@ -794,6 +794,10 @@ pub async fn run(ctx: &mut Context) -> StepResult<ApplyResult> {
     let mut chunks: Vec<ChunkPayload> = Vec::new();
     let mut range_deletes = false;
     if let Action::Waves { snapshot, waves, .. } = &d.action {
+        // Not a commit boundary (not in `FAILPOINTS`): a race test holds the
+        // call here, between its facts read and its plans read, while a wave
+        // lands (tests/records_race.rs).
+        failpoint!("apply.between_facts_and_plans");
         let prows = plan_rows(ctx, &app, *snapshot).await?;
         let wanted = waves_in_facts(&facts, *snapshot);
         for w in waves {

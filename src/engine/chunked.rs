@@ -796,6 +796,10 @@ async fn ensure_plan(
                 detail: serde_json::to_value(&plan).map_err(|e| StepError::Internal(e.to_string()))?,
                 recorded_at: Some(Utc::now()),
             };
+            // Not a commit boundary (not in `FAILPOINTS`): a race test holds
+            // a first call here, its own plan made, while another call records
+            // one (tests/records_race.rs).
+            failpoint!("chunked.before_plan_plans");
             append_plans(plans_table, &app, vec![prow], &txn_plan(&app, o.s)).await?;
             failpoint!("chunked.after_plan_plans");
             // The plan read back is the recorded one, whoever wrote it.
@@ -1666,6 +1670,9 @@ impl ChunkReader {
 
     /// Reads one chunk into data files of its own.
     async fn read(&self, item: &WorkItem) -> StepResult<ChunkReadOutcome> {
+        // Not a commit boundary (not in `FAILPOINTS`): a race test holds a
+        // reader here while the wave before commits (tests/records_race.rs).
+        failpoint!("chunked.before_chunk_read");
         let label = self.bronze.table_url().to_string();
         let t0 = Instant::now();
         let mut writer = RecordBatchWriter::for_table(&self.bronze).map_err(StepError::delta(&label))?.with_target_file_size(TARGET_FILE_BYTES);

@@ -38,10 +38,17 @@ use crate::workflow::Workflow;
 /// there) or `MSSQL_CDC_FAILPOINTS=name=return(abort)` (the process aborts
 /// there, like a kill); see `cli::arm_failpoints`.
 ///
-/// Two more sit where a sleep lets a test race two calls for one batch id or
-/// wave (`tests/batch_race.rs`), not at a commit boundary, so they are not
-/// listed: `stream.after_read` (a batch read, before its bronze commit) and
-/// `chunked.before_wave_bronze` (a wave read, before its bronze commit).
+/// Others sit where a sleep or a held callback lets a test race two calls,
+/// not at a commit boundary, so they are not listed: for `tests/batch_race.rs`,
+/// `stream.after_read` (a batch read, before its bronze commit),
+/// `state.between_facts_and_bronze` and `chunked.before_wave_bronze` (a wave
+/// read, before its bronze commit; `tests/records_race.rs` holds it too);
+/// and, for `tests/records_race.rs`, `chunked.before_plan_plans` (a plan
+/// made, before its plans row), `chunked.before_chunk_read` (a chunk handed
+/// to a reader, before its SELECT), `snapshot.before_open` (a full run's mode
+/// check passed, before its open row), `recover.before_recovery_row` (a
+/// recovery's facts read, before its recovery row) and
+/// `apply.between_facts_and_plans` (apply's facts read, before its plans read).
 pub const FAILPOINTS: &[&str] = &[
     "snapshot.after_open",
     "snapshot.after_bronze",

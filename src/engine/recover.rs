@@ -250,6 +250,10 @@ pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_d
     }
     // 3. The recovery row: the start and the gap, once per target generation.
     if recorded.is_none() {
+        // Not a commit boundary (not in `FAILPOINTS`): a race test holds a
+        // recovery here, after its read found no recovery row, while another
+        // one recovers (tests/records_race.rs).
+        failpoint!("recover.before_recovery_row");
         let mut row = ctx.fact_row(st.generation);
         row.event = Some(EVENT_RECOVERY.into());
         row.min_lsn = Some(loss.position);

@@ -306,6 +306,10 @@ pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Opti
     open.lost_from_ts = gap.and_then(|g| g.lost_from_ts);
     open.lost_to_ts = gap.and_then(|g| g.lost_to_ts);
     open.detail = Some(json!({"mode": "full", "kind": kind, "generation": generation}));
+    // Not a commit boundary (not in `FAILPOINTS`): a race test holds a run
+    // here, its mode check passed, while a chunked open is written
+    // (tests/records_race.rs).
+    failpoint!("snapshot.before_open");
     super::stream::append_facts_untracked(ctx, vec![open]).await?;
     failpoint!("snapshot.after_open");
     // A chunked open committed between our check and our open takes the
