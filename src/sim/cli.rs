@@ -322,6 +322,7 @@ pub fn run(cmd: SimCommand) -> Result<serde_json::Value> {
                 query_latency_ms: a.latency_ms,
                 idle_interval_seconds: a.idle_interval_seconds,
                 auto_cleanup_interval_minutes: a.auto_cleanup_minutes,
+                lock_timeout_ms: None,
                 seed: a.seed,
             };
             let name = parse_table_name(&a.table)?;
