@@ -120,7 +120,9 @@ use crate::types::{truncate_to_micros, ColumnDesc, SqlType, SqlValue};
 pub enum Action {
     /// Rebuild from the rows of completed snapshot S and the changes after it, deleting by absence.
     Rebuild { snapshot: Lsn },
-    /// Apply these waves of the open chunked snapshot S, with the changes after `after`.
+    /// Apply these waves of the open chunked snapshot S: their chunk rows
+    /// with the changes after S of the chunk rows' keys, and every key's
+    /// changes after `after` (what silver applied; None: all of them).
     Waves { snapshot: Lsn, waves: Vec<i64>, after: Option<Lsn> },
     /// Apply the changes after `after` (None: all of them).
     Changes { after: Option<Lsn> },
@@ -158,6 +160,10 @@ pub struct ApplyResult {
     pub range_deletes: bool,
     /// A control row an earlier call's crash left unwritten, written first.
     pub repaired: bool,
+    /// Rows of bronze the MERGE's source held (latest per key), when it was
+    /// collected in memory: every action but a rebuild (which streams) and a
+    /// heap's. What bounds a call's memory, so it is reported.
+    pub source_rows: Option<i64>,
 }
 
 /// Silver's MERGE txn: one version per apply.
@@ -253,14 +259,11 @@ pub fn decide_with_cleanup(app: &str, last: Option<&ControlRow>, facts: &[FactRo
         if let Some(&newest) = waves.last() {
             next.snapshot_wave = Some(newest);
             next.action = "waves".into();
-            // Every change after S goes with the chunk rows (a chunk row never
-            // brings back a key deleted after its stamp), and every change
-            // silver has not applied yet.
-            let after = match applied {
-                Some(a) => Some(a.min(s)),
-                None => None,
-            };
-            return Decision { action: Action::Waves { snapshot: s, waves, after }, to, next };
+            // The changes silver has not applied yet (every key), and, with
+            // the chunk rows, the changes after S of their own keys that it
+            // has ([`wave_source_sql`]): a chunk row never brings back a key
+            // deleted after its stamp.
+            return Decision { action: Action::Waves { snapshot: s, waves, after: applied }, to, next };
         }
     }
     match (to, applied) {
@@ -469,14 +472,19 @@ pub fn ident(name: &str) -> String {
 /// join here: the NULL-key row was inserted again; it stays the fallback for
 /// types without a stand-in.)
 pub fn key_match(columns: &[ColumnDesc]) -> String {
+    key_match_between(columns, "target", "source")
+}
+
+/// [`key_match`] between any two aliases.
+fn key_match_between(columns: &[ColumnDesc], a: &str, b: &str) -> String {
     columns
         .iter()
         .map(|k| {
             let c = ident(&k.name);
             match (k.nullable, null_stand_in(&k.sql_type)) {
-                (false, _) => format!("target.{c} = source.{c}"),
-                (true, Some(x)) => format!("COALESCE(target.{c}, {x}) = COALESCE(source.{c}, {x}) AND (target.{c} IS NULL) = (source.{c} IS NULL)"),
-                (true, None) => format!("target.{c} IS NOT DISTINCT FROM source.{c}"),
+                (false, _) => format!("{a}.{c} = {b}.{c}"),
+                (true, Some(x)) => format!("COALESCE({a}.{c}, {x}) = COALESCE({b}.{c}, {x}) AND ({a}.{c} IS NULL) = ({b}.{c} IS NULL)"),
+                (true, None) => format!("{a}.{c} IS NOT DISTINCT FROM {b}.{c}"),
             }
         })
         .collect::<Vec<_>>()
@@ -516,12 +524,79 @@ fn rank_ne(a: &str, b: &str) -> String {
 
 /// The SQL over bronze (`t`) that gives the latest row per key among the rows `filter` keeps.
 pub fn latest_per_key_sql(columns: &[ColumnDesc], keys: &[ColumnDesc], filter: &str) -> String {
-    let cols: Vec<String> = columns.iter().map(|c| ident(&c.name)).chain(silver::META_COLUMNS.iter().map(|m| m.to_string())).collect();
+    latest_per_key_over(columns, keys, &format!("t WHERE {filter}"))
+}
+
+/// Silver's columns (captured and rank), as a select list.
+fn silver_select_list(columns: &[ColumnDesc]) -> String {
+    columns.iter().map(|c| ident(&c.name)).chain(silver::META_COLUMNS.iter().map(|m| m.to_string())).collect::<Vec<_>>().join(", ")
+}
+
+/// The source of a wave's MERGE: the latest row per key among the waves'
+/// chunk rows, every change after `after` (what silver applied; None: every
+/// change), and the changes in (S, `after`] of the keys the chunk rows hold.
+///
+/// The last part is what makes a wave's cost follow its own size rather
+/// than the snapshot's age (adr-0028: each chunk row is merged with the
+/// changes after S *of its own key*). Silver keeps no tombstone, so a key
+/// deleted after a chunk's stamp, and already removed from silver by an
+/// earlier apply, would come back with its chunk row unless that delete is
+/// in the same MERGE source to outrank it; changes of keys the chunk rows
+/// do not hold were applied as they came, and earlier chunks' keys with
+/// their own waves. Before, every wave read every change after S, of
+/// every key, into memory: on a busy table that grew for the snapshot's
+/// whole life. The three parts are disjoint (snapshot rows; changes after
+/// `after`; changes at or before it), so the union adds no row twice; the
+/// keys are matched null-safely as the MERGE matches them.
+pub fn wave_source_sql(columns: &[ColumnDesc], keys: &[ColumnDesc], snapshot: Lsn, after: Option<Lsn>, to: Option<Lsn>, chunks: &[i64]) -> String {
+    let lsn = |l: Lsn| sql_str(&l.to_hex());
+    let upto = match to {
+        Some(t) => format!(" AND {} <= {}", bronze::START_LSN, lsn(t)),
+        None => String::new(),
+    };
+    let list = chunks.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(", ");
+    let chunk_rows = |alias: &str| {
+        if chunks.is_empty() {
+            "FALSE".to_string()
+        } else {
+            format!(
+                "({alias}{snap} = {s} AND {alias}{op} = 0 AND {alias}{chunk} IN ({list}))",
+                snap = bronze::SNAPSHOT,
+                op = bronze::OPERATION,
+                chunk = bronze::CHUNK,
+                s = lsn(snapshot),
+            )
+        }
+    };
+    let changes_after = match after {
+        Some(a) => format!("({op} <> 0 AND {start} > {a}{upto})", op = bronze::OPERATION, start = bronze::START_LSN, a = lsn(a)),
+        None => format!("({op} <> 0{upto})", op = bronze::OPERATION),
+    };
+    let cols = silver_select_list(columns);
+    let mut relation = format!("SELECT {cols} FROM t WHERE {} OR {changes_after}", chunk_rows(""));
+    if let Some(a) = after.filter(|a| *a > snapshot && !chunks.is_empty()) {
+        relation.push_str(&format!(
+            " UNION ALL SELECT {cols} FROM t AS b WHERE b.{op} <> 0 AND b.{start} > {s} AND b.{start} <= {a}{upto_b} \
+             AND EXISTS (SELECT 1 FROM t AS c WHERE {rows} AND {on})",
+            op = bronze::OPERATION,
+            start = bronze::START_LSN,
+            s = lsn(snapshot),
+            a = lsn(a),
+            upto_b = to.map(|t| format!(" AND b.{} <= {}", bronze::START_LSN, lsn(t))).unwrap_or_default(),
+            rows = chunk_rows("c."),
+            on = key_match_between(keys, "c", "b"),
+        ));
+    }
+    latest_per_key_over(columns, keys, &format!("({relation}) AS u"))
+}
+
+/// The latest row per key of `relation` (a FROM clause over bronze's columns).
+fn latest_per_key_over(columns: &[ColumnDesc], keys: &[ColumnDesc], relation: &str) -> String {
+    let cols = silver_select_list(columns);
     let part: Vec<String> = keys.iter().map(|k| ident(&k.name)).collect();
     format!(
         "SELECT {cols} FROM (SELECT {cols}, ROW_NUMBER() OVER (PARTITION BY {part} ORDER BY {start} DESC, COALESCE({cmd}, -1) DESC, \
-         COALESCE({seq}, '') DESC, {op} DESC) AS __rn FROM t WHERE {filter}) AS ranked WHERE __rn = 1",
-        cols = cols.join(", "),
+         COALESCE({seq}, '') DESC, {op} DESC) AS __rn FROM {relation}) AS ranked WHERE __rn = 1",
         part = part.join(", "),
         start = bronze::START_LSN,
         cmd = bronze::COMMAND_ID,
@@ -624,7 +699,9 @@ pub fn range_delete_predicate(key: &ColumnDesc, chunks: &[ChunkPayload]) -> Opti
     }
 }
 
-/// Runs the MERGE of one decision. Returns (rows upserted, rows deleted, silver version if committed).
+/// Runs the MERGE of one decision. Returns (rows upserted, rows deleted,
+/// silver version if committed, rows of the MERGE's source when it was
+/// collected rather than streamed).
 async fn merge(
     ctx: &Context,
     silver_table: &mut DeltaTable,
@@ -632,23 +709,28 @@ async fn merge(
     d: &Decision,
     chunks: &[ChunkPayload],
     range_deletes: bool,
-) -> StepResult<(i64, i64, Option<i64>)> {
+) -> StepResult<(i64, i64, Option<i64>, Option<i64>)> {
     let chunk_ids: Vec<i64> = chunks.iter().map(|c| c.chunk).collect();
-    let Some(filter) = source_filter(&d.action, d.to, &chunk_ids) else { return Ok((0, 0, None)) };
+    let Some(filter) = source_filter(&d.action, d.to, &chunk_ids) else { return Ok((0, 0, None, None)) };
     let columns = &ctx.instance.columns;
-    let sql = latest_per_key_sql(columns, keys, &filter);
+    let sql = match &d.action {
+        Action::Waves { snapshot, after, .. } => wave_source_sql(columns, keys, *snapshot, *after, d.to, &chunk_ids),
+        _ => latest_per_key_sql(columns, keys, &filter),
+    };
     let silver_label = ctx.workflow.target.silver.clone().unwrap_or_default();
     let rebuild = matches!(d.action, Action::Rebuild { .. });
     // A rebuild streams its source into the MERGE (it may be the whole table);
     // other sources are the changes since the last apply: collected first,
     // so an empty one costs no MERGE and the MERGE reads them once.
+    let mut source_rows = None;
     let (source, state) = if rebuild {
         delta::dataframe(&ctx.bronze, &sql).await?
     } else {
         let batches = delta::query(&ctx.bronze, &sql).await?;
         let n: usize = batches.iter().map(|b| b.num_rows()).sum();
+        source_rows = Some(n as i64);
         if n == 0 && !(range_deletes && !chunks.is_empty()) {
-            return Ok((0, 0, None));
+            return Ok((0, 0, None, source_rows));
         }
         let session = SessionContext::new();
         let schema = match batches.first() {
@@ -716,6 +798,7 @@ async fn merge(
         (metrics.num_target_rows_inserted + metrics.num_target_rows_updated) as i64,
         metrics.num_target_rows_deleted as i64,
         committed,
+        source_rows,
     ))
 }
 
@@ -832,18 +915,21 @@ pub async fn run(ctx: &mut Context) -> StepResult<ApplyResult> {
         waves_applied: vec![],
         range_deletes,
         repaired,
+        source_rows: None,
     };
     if d.action == Action::Nothing {
         result.action = "nothing".into();
         result.snapshot_state = snapshot_state(last.as_ref());
         return Ok(result);
     }
-    let (up, del, version) = if is_heap {
+    let (up, del, version, source_rows) = if is_heap {
         let ids: Vec<i64> = chunks.iter().map(|c| c.chunk).collect();
-        heap::merge(ctx, &mut silver_table, &d, last.as_ref(), &facts, &ids).await?
+        let (up, del, version) = heap::merge(ctx, &mut silver_table, &d, last.as_ref(), &facts, &ids).await?;
+        (up, del, version, None)
     } else {
         merge(ctx, &mut silver_table, &keys, &d, &chunks, range_deletes).await?
     };
+    result.source_rows = source_rows;
     failpoint!("apply.after_merge");
     let mut row = d.next.clone();
     row.rows_upserted = Some(up);
@@ -977,10 +1063,11 @@ mod tests {
         assert_eq!(d2.action, Action::Changes { after: Some(lsn(20)) });
         assert_eq!(d2.next.snapshot_wave, Some(0));
         assert_eq!(d2.next.finalized_until, None);
-        // A new wave: the changes after S go with it.
         facts.push(chunk(10, 2, 1));
         let d3 = decide("a", Some(&d2.next), &facts);
-        assert_eq!(d3.action, Action::Waves { snapshot: lsn(10), waves: vec![1], after: Some(lsn(10)) });
+        // A new wave: with the changes silver has not applied; its chunk
+        // rows' own keys' changes after S are joined in by the MERGE's source.
+        assert_eq!(d3.action, Action::Waves { snapshot: lsn(10), waves: vec![1], after: Some(lsn(30)) });
         // The completion: a rebuild from S, and the verdict moves.
         facts.push(event(0, EVENT_BOOTSTRAP, 10, None));
         let d4 = decide("a", Some(&d3.next), &facts);
