@@ -18,12 +18,9 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{item_row, Scenario};
+use common::{failpoint_command, item_row, last_json_line, Running, Scenario};
 use deltalake::arrow::array::Array;
 use deltalake::arrow::record_batch::RecordBatch;
 use deltalake::arrow::util::display::array_value_to_string;
@@ -36,107 +33,17 @@ const FULL: &str = "[snapshot]\nbootstrap = true\nmode = \"full\"\n[stream]\nmax
 const CHUNKED: &str = "[snapshot]\nbootstrap = true\nmode = \"chunked\"\nparallelism = 2\nchunk_rows = 10\ntarget_wave_seconds = 0\n\
                        [stream]\nmax_batch_rows = 1000\n";
 
-fn command(s: &Scenario, args: &[&str], failpoints: Option<&str>) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mssql-cdc"));
-    c.arg("--workflow").arg(&s.wf_path).args(args).env("MSSQL_CDC_LOG", "warn,mssql_cdc=debug").current_dir(s.path());
-    if let Some(f) = failpoints {
-        c.env("MSSQL_CDC_FAILPOINTS", f);
-    }
-    c
-}
-
-fn last_json(stdout: &str) -> serde_json::Value {
-    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout"));
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
-}
-
 /// Runs a step to its end: (exit code, JSON).
 fn step(s: &Scenario, args: &[&str]) -> (i32, serde_json::Value) {
-    let out = command(s, args, None).output().unwrap();
+    let out = failpoint_command(s, args, None).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    (out.status.code().unwrap_or(-1), last_json(&stdout))
+    (out.status.code().unwrap_or(-1), last_json_line(&stdout))
 }
 
 fn ok(s: &Scenario, args: &[&str]) -> serde_json::Value {
     let (code, j) = step(s, args);
     assert_eq!(code, 0, "{args:?}: {j}");
     j
-}
-
-/// A step running in a child process whose stderr lines the test watches.
-struct Running {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    stderr: Vec<String>,
-    stdout: std::thread::JoinHandle<String>,
-}
-
-impl Running {
-    fn spawn(s: &Scenario, args: &[&str], failpoints: &str) -> Running {
-        let mut child = command(s, args, Some(failpoints)).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-        let err = child.stderr.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                if tx.send(without_colours(&line)).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut out = child.stdout.take().unwrap();
-        let stdout = std::thread::spawn(move || {
-            let mut text = String::new();
-            out.read_to_string(&mut text).unwrap();
-            text
-        });
-        Running { child, lines, stderr: Vec::new(), stdout }
-    }
-
-    /// Waits for a stderr line holding `marker` (the process logs it before its sleep).
-    fn wait_for(&mut self, marker: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) => {
-                    self.stderr.push(line.clone());
-                    if line.contains(marker) {
-                        return line;
-                    }
-                }
-                Err(_) => panic!("no '{marker}' line in 60 s; stderr so far:\n{}", self.stderr.join("\n")),
-            }
-        }
-    }
-
-    fn has_exited(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_some()
-    }
-
-    fn finish(mut self) -> (i32, serde_json::Value, String) {
-        let status = self.child.wait().unwrap();
-        self.stderr.extend(self.lines.iter());
-        let stdout = self.stdout.join().unwrap();
-        (status.code().unwrap_or(-1), last_json(&stdout), self.stderr.join("\n"))
-    }
-}
-
-/// The line without terminal colour codes (`ESC [ … m`), so fields read `rows=0`.
-fn without_colours(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for d in chars.by_ref() {
-                if d == 'm' {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// This stream's facts rows.

@@ -10,9 +10,7 @@
 
 mod common;
 
-use std::process::{Command, Output};
-
-use common::{item_row, Scenario};
+use common::{cli, item_row, last_json, Scenario};
 use deltalake::arrow::array::{Array, Int64Array};
 use mssql_cdc::delta::{self, facts::FactRow};
 use mssql_cdc::engine::{self, apply, reconcile};
@@ -257,20 +255,6 @@ async fn error_313_met_by_the_read_records_a_skip_in_skip_mode() {
     assert!(min_after > min_before, "cleanup moved the min LSN");
     assert_eq!(d["to"].as_str().and_then(|x| Lsn::parse(x).ok()), Some(min_after), "{d}");
     assert_contiguous(&rows, 0);
-}
-
-fn cli(s: &Scenario, step: &str) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_mssql-cdc"))
-        .args(["--workflow", s.wf_path.to_str().unwrap(), step])
-        .env("MSSQL_CDC_LOG", "warn")
-        .output()
-        .unwrap()
-}
-
-fn last_json(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
 }
 
 /// Error 601 on a change read and 3961 on a snapshot read are temporary:

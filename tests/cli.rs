@@ -5,17 +5,11 @@ mod common;
 
 use std::process::{Command, Output};
 
-use common::Scenario;
+use common::{last_json, Scenario};
 use mssql_cdc::source::TableName;
 
 fn run(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_mssql-cdc")).args(args).env("MSSQL_CDC_LOG", "warn").output().unwrap()
-}
-
-fn last_json(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
 }
 
 /// Runs `stream` on the scenario's workflow and expects exit 2 with `needle` in the error.

@@ -20,51 +20,24 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::Scenario;
+use common::{last_json, ok, step, table_rows_by_id as table_rows, Scenario};
 use mssql_cdc::delta::facts::FactRow;
 use mssql_cdc::lsn::Lsn;
 use mssql_cdc::source::CdcSource;
-use mssql_cdc::types::{as_stored, value_at, SqlValue};
 
 const FULL: &str = "[snapshot]\nbootstrap = true\nmode = \"full\"\nparallelism = 2\n[stream]\nmax_batch_rows = 10000\n";
 
-fn command(s: &Scenario, args: &[&str], env: &[(&str, &str)]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mssql-cdc"));
-    c.arg("--workflow").arg(&s.wf_path).args(args).env("MSSQL_CDC_LOG", "warn").current_dir(s.path());
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    c
-}
-
 fn spawn(s: &Scenario, args: &[&str], env: &[(&str, &str)]) -> Child {
-    command(s, args, env).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
-}
-
-fn last_json(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
+    common::cli_command(&s.wf_path, args, env).current_dir(s.path()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
 }
 
 /// Waits for a spawned step: (exit code, JSON).
 fn finish(child: Child) -> (i32, serde_json::Value) {
     let out = child.wait_with_output().unwrap();
     (out.status.code().unwrap_or(-1), last_json(&out))
-}
-
-fn step(s: &Scenario, args: &[&str], env: &[(&str, &str)]) -> (i32, serde_json::Value) {
-    let out = command(s, args, env).output().unwrap();
-    (out.status.code().unwrap_or(-1), last_json(&out))
-}
-
-fn ok(s: &Scenario, args: &[&str]) -> serde_json::Value {
-    let (code, j) = step(s, args, &[]);
-    assert_eq!(code, 0, "{args:?}: {j}");
-    j
 }
 
 /// This stream's facts rows, read from the table itself; empty while the
@@ -117,16 +90,6 @@ fn metadata_versions(table: &Path) -> Vec<u64> {
     out
 }
 
-/// The simulator's rows (`SimDb::rows`), every column as bronze stores it, by id.
-fn table_rows(s: &Scenario) -> BTreeMap<i64, Vec<String>> {
-    let columns = common::items_spec(&s.table).columns;
-    s.db.rows(&s.table)
-        .unwrap()
-        .into_iter()
-        .map(|row| (row[0].as_i64().unwrap(), row.iter().zip(&columns).map(|(v, c)| as_stored(v, &c.sql_type).canonical()).collect()))
-        .collect()
-}
-
 /// Runs a query over bronze, opened straight from its folder.
 fn bronze_query(rt: &tokio::runtime::Runtime, s: &Scenario, sql: &str) -> Vec<deltalake::arrow::record_batch::RecordBatch> {
     let location = s.path().join("bronze").to_string_lossy().into_owned();
@@ -136,29 +99,10 @@ fn bronze_query(rt: &tokio::runtime::Runtime, s: &Scenario, sql: &str) -> Vec<de
     })
 }
 
-/// Bronze's image by the records' rule: the rows of snapshot S and the
-/// change rows after S; per id the latest by (_start_lsn, _command_id,
-/// _seqval, _operation), a snapshot row losing a tie; ids whose latest row is
-/// a delete (1) or a before-image (3) are absent.
+/// Bronze's image by the records' rule (`common::bronze_image_sql`).
 fn bronze_image(rt: &tokio::runtime::Runtime, s: &Scenario, snapshot: Lsn) -> BTreeMap<i64, Vec<String>> {
     let columns = common::items_spec(&s.table).columns;
-    let sql = format!(
-        "SELECT * FROM (SELECT *, row_number() OVER (PARTITION BY id ORDER BY _start_lsn DESC, _command_id DESC NULLS LAST, \
-         _seqval DESC NULLS LAST, _operation DESC) AS rank_in_key FROM t \
-         WHERE (_operation = 0 AND coalesce(_snapshot, _start_lsn) = '{s}') OR (_operation <> 0 AND _start_lsn > '{s}')) \
-         WHERE rank_in_key = 1 AND _operation NOT IN (1, 3)",
-        s = snapshot.to_hex()
-    );
-    let mut out = BTreeMap::new();
-    for b in &bronze_query(rt, s, &sql) {
-        let cols: Vec<_> = columns.iter().map(|c| b.column_by_name(&c.name).unwrap_or_else(|| panic!("bronze lacks {}", c.name)).clone()).collect();
-        for i in 0..b.num_rows() {
-            let values: Vec<SqlValue> = cols.iter().zip(&columns).map(|(a, c)| value_at(a.as_ref(), i, &c.sql_type)).collect();
-            let id = values[0].as_i64().expect("an id");
-            assert!(out.insert(id, values.iter().map(SqlValue::canonical).collect()).is_none(), "id {id} twice in the image");
-        }
-    }
-    out
+    common::image_by_id(&bronze_query(rt, s, &common::bronze_image_sql(snapshot)), &columns)
 }
 
 /// Rows of a grouping query that finds duplicates (none expected).
@@ -170,21 +114,11 @@ fn duplicates(rt: &tokio::runtime::Runtime, s: &Scenario, sql: &str) -> usize {
 /// column; no change row is in bronze twice, and each snapshot holds each id once.
 fn assert_bronze_equals_table(rt: &tokio::runtime::Runtime, s: &Scenario, context: &str) {
     let rows = facts(rt, s);
-    let newest = rows
-        .iter()
-        .filter(|r| matches!(r.event.as_deref(), Some("bootstrap") | Some("resnapshot")))
-        .filter_map(|r| r.max_lsn)
-        .max()
-        .unwrap_or_else(|| panic!("{context}: a completed snapshot"));
+    let newest = common::newest_completion(&rows).unwrap_or_else(|| panic!("{context}: a completed snapshot"));
     let image = bronze_image(rt, s, newest);
     let table = table_rows(s);
     assert!(!table.is_empty());
-    let ids: std::collections::BTreeSet<_> = table.keys().chain(image.keys()).collect();
-    let diff: Vec<_> = ids
-        .into_iter()
-        .filter(|k| table.get(k) != image.get(k))
-        .map(|k| format!("{k}: table {:?} / bronze {:?}", table.get(k), image.get(k)))
-        .collect();
+    let diff = common::image_diff(&table, &image);
     assert!(diff.is_empty(), "{context}: {} ids differ: {:?}", diff.len(), &diff[..diff.len().min(5)]);
     let twice = duplicates(
         rt,

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use chrono::{TimeZone, Utc};
-use common::Scenario;
+use common::{last_json, Scenario};
 use mssql_cdc::sim::TableSpec;
 use mssql_cdc::source::TableName;
 use mssql_cdc::types::{ColumnDesc, SqlType, SqlValue};
@@ -21,12 +21,6 @@ fn run(wf: &Path, step: &str) -> Output {
         .env("MSSQL_CDC_LOG", "warn")
         .output()
         .unwrap()
-}
-
-fn last_json(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
 }
 
 /// Runs a step that must be refused: exit 2, `needle` in the error.

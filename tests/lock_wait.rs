@@ -9,29 +9,15 @@
 
 mod common;
 
-use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use common::Scenario;
+use common::{cli, last_json_or_null as last_json, Scenario};
 use deltalake::arrow::array::{Array, Int64Array};
 use mssql_cdc::delta;
 use mssql_cdc::sim::SimDb;
 
 const CHUNKED: &str = "silver = \"silver\"\n[snapshot]\nbootstrap = true\nmode = \"chunked\"\nchunk_rows = 15\nparallelism = 2\n\
                        target_wave_seconds = 0\n[reconcile]\nbuckets = 8\nsample_fraction = 1.0\n";
-
-fn cli(s: &Scenario, step: &str) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_mssql-cdc"))
-        .args(["--workflow", s.wf_path.to_str().unwrap(), step])
-        .env("MSSQL_CDC_LOG", "warn")
-        .output()
-        .unwrap()
-}
-
-fn last_json(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(stdout.lines().last().unwrap_or("null")).unwrap_or_default()
-}
 
 async fn bronze_count(s: &Scenario, filter: &str) -> i64 {
     let ctx = s.context().await.unwrap();

@@ -10,7 +10,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use chrono::{NaiveDate, NaiveDateTime};
+use chrono::NaiveDate;
 use common::Scenario;
 use mssql_cdc::delta;
 use mssql_cdc::engine::apply;
@@ -22,86 +22,30 @@ use mssql_cdc::engine::{self, Context};
 use mssql_cdc::lsn::Lsn;
 use mssql_cdc::sim::TableSpec;
 use mssql_cdc::source::*;
-use mssql_cdc::types::{as_stored, value_at, ColumnDesc, Key, SqlType, SqlValue};
+use mssql_cdc::types::{as_stored, value_at, ColumnDesc, SqlType, SqlValue};
 use serde_json::Value;
 
 const DAY_US: i64 = 86_400_000_000;
 
-/// A source that hands every read to the simulator and writes down each
-/// change-table read: (instance, columns asked for, from, to).
-struct Spy {
-    inner: SharedSource,
-    change_reads: Mutex<Vec<(String, Vec<String>, Lsn, Lsn)>>,
-}
+/// Hooks on a source that hands every read to the simulator
+/// (`common::Wrapped`) which write down each change-table read: (instance,
+/// columns asked for, from, to).
+#[derive(Default)]
+struct ChangeReads(Mutex<Vec<(String, Vec<String>, Lsn, Lsn)>>);
 
 #[async_trait]
-impl CdcSource for Spy {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    async fn max_lsn(&self) -> Result<Option<Lsn>, SourceError> {
-        self.inner.max_lsn().await
-    }
-    async fn min_lsn(&self, ci: &str) -> Result<Option<Lsn>, SourceError> {
-        self.inner.min_lsn(ci).await
-    }
-    async fn increment_lsn(&self, lsn: Lsn) -> Result<Lsn, SourceError> {
-        self.inner.increment_lsn(lsn).await
-    }
-    async fn decrement_lsn(&self, lsn: Lsn) -> Result<Lsn, SourceError> {
-        self.inner.decrement_lsn(lsn).await
-    }
-    async fn table_info(&self, t: &TableName) -> Result<TableInfo, SourceError> {
-        self.inner.table_info(t).await
-    }
-    async fn capture_instances(&self, t: &TableName) -> Result<Vec<CaptureInstance>, SourceError> {
-        self.inner.capture_instances(t).await
-    }
-    async fn changes(&self, ci: &CaptureInstance, from: Lsn, to: Lsn, filter: RowFilter, batch_rows: usize) -> Result<BatchStream, SourceError> {
-        self.change_reads.lock().unwrap().push((ci.name.clone(), ci.columns.iter().map(|c| c.name.clone()).collect(), from, to));
-        self.inner.changes(ci, from, to, filter, batch_rows).await
-    }
-    async fn snapshot_read(&self, read: &SnapshotRead) -> Result<BatchStream, SourceError> {
-        self.inner.snapshot_read(read).await
-    }
-    async fn snapshot_read_fenced(&self, read: &SnapshotRead) -> Result<mssql_cdc::source::FencedRead, SourceError> {
-        self.inner.snapshot_read_fenced(read).await
-    }
-    async fn key_extent(&self, t: &TableName, keys: &[String], iso: Isolation) -> Result<Option<(Key, Key)>, SourceError> {
-        self.inner.key_extent(t, keys, iso).await
-    }
-    async fn slice_counts(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64)>, SourceError> {
-        self.inner.slice_counts(t, key, lo, hi, width, iso).await
-    }
-    async fn null_count(&self, t: &TableName, key: &str, iso: Isolation) -> Result<u64, SourceError> {
-        self.inner.null_count(t, key, iso).await
-    }
-    async fn bucket_sums(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64, i128)>, SourceError> {
-        self.inner.bucket_sums(t, key, lo, hi, width, iso).await
-    }
-    async fn key_seek(&self, t: &TableName, keys: &[String], range: &KeyRange, n: u64, iso: Isolation) -> Result<Option<Key>, SourceError> {
-        self.inner.key_seek(t, keys, range, n, iso).await
-    }
-    async fn compare_keys(&self, t: &TableName, keys: &[String], pairs: &[(Key, Key)]) -> Result<Vec<std::cmp::Ordering>, SourceError> {
-        self.inner.compare_keys(t, keys, pairs).await
-    }
-    async fn row_estimate(&self, t: &TableName) -> Result<u64, SourceError> {
-        self.inner.row_estimate(t).await
-    }
-    async fn time_to_lsn(&self, op: TimeOp, t: NaiveDateTime) -> Result<Option<Lsn>, SourceError> {
-        self.inner.time_to_lsn(op, t).await
-    }
-    async fn lsn_to_time(&self, lsn: Lsn) -> Result<Option<NaiveDateTime>, SourceError> {
-        self.inner.lsn_to_time(lsn).await
-    }
-    async fn server_time_zone(&self) -> Result<ServerZone, SourceError> {
-        self.inner.server_time_zone().await
-    }
-    async fn row_count(&self, t: &TableName, iso: Isolation) -> Result<u64, SourceError> {
-        self.inner.row_count(t, iso).await
-    }
-    async fn date_bucket_sums(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64, i128)>, SourceError> {
-        self.inner.date_bucket_sums(t, key, lo, hi, width, iso).await
+impl common::Hooks for ChangeReads {
+    async fn changes(
+        &self,
+        inner: &SharedSource,
+        ci: &CaptureInstance,
+        from: Lsn,
+        to: Lsn,
+        filter: RowFilter,
+        batch_rows: usize,
+    ) -> Result<BatchStream, SourceError> {
+        self.0.lock().unwrap().push((ci.name.clone(), ci.columns.iter().map(|c| c.name.clone()).collect(), from, to));
+        inner.changes(ci, from, to, filter, batch_rows).await
     }
 }
 
@@ -166,10 +110,10 @@ async fn reconcile(s: &Scenario) -> ReconcileResult {
 /// reconcile with the spy as its source; returns the result and the change-table reads.
 async fn reconcile_spied(s: &Scenario) -> (ReconcileResult, Vec<(String, Vec<String>, Lsn, Lsn)>) {
     let mut ctx: Context = s.context().await.unwrap();
-    let spy = Arc::new(Spy { inner: ctx.source.clone(), change_reads: Mutex::new(Vec::new()) });
+    let spy = Arc::new(common::Wrapped::new(ctx.source.clone(), ChangeReads::default()));
     ctx.source = spy.clone();
     let r = reconcile::run(&mut ctx).await.unwrap();
-    let reads = spy.change_reads.lock().unwrap().clone();
+    let reads = spy.hooks.0.lock().unwrap().clone();
     (r, reads)
 }
 

@@ -20,68 +20,20 @@ use std::collections::BTreeMap;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::Scenario;
+use common::{
+    bronze_image, cli_backfill_until_done as backfill_until_done, cli_stream_until_caught_up as stream_until_caught_up, pass_the_retention, last_json, ok, step, table_rows_by_id as table_rows,
+    Scenario,
+};
 use mssql_cdc::delta::facts::FactRow;
 use mssql_cdc::lsn::Lsn;
-use mssql_cdc::types::{as_stored, value_at, SqlValue};
+use mssql_cdc::types::{value_at, SqlValue};
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
 fn command(s: &Scenario, wf: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mssql-cdc"));
-    c.arg("--workflow").arg(wf).args(args).env("MSSQL_CDC_LOG", "warn").current_dir(s.path());
-    for (k, v) in env {
-        c.env(k, v);
-    }
+    let mut c = common::cli_command(wf, args, env);
+    c.current_dir(s.path());
     c
-}
-
-fn last_json(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
-}
-
-/// Runs a step and returns (exit code, JSON).
-fn step(s: &Scenario, args: &[&str], env: &[(&str, &str)]) -> (i32, serde_json::Value) {
-    let out = command(s, &s.wf_path, args, env).output().unwrap();
-    (out.status.code().unwrap_or(-1), last_json(&out))
-}
-
-/// Runs a step that must succeed.
-fn ok(s: &Scenario, args: &[&str]) -> serde_json::Value {
-    let (code, j) = step(s, args, &[]);
-    assert_eq!(code, 0, "{args:?}: {j}");
-    j
-}
-
-fn stream_until_caught_up(s: &Scenario) {
-    for _ in 0..50 {
-        if ok(s, &["stream"])["caught_up"] == true {
-            return;
-        }
-    }
-    panic!("the stream did not catch up in 50 calls");
-}
-
-fn backfill_until_done(s: &Scenario) {
-    for _ in 0..50 {
-        if ok(s, &["backfill"])["done"] == true {
-            return;
-        }
-    }
-    panic!("backfill did not finish in 50 calls");
-}
-
-/// The stream stops; changes happen; `days` pass; more changes; the capture
-/// job runs, then cleanup (the simulator's 3-day retention).
-fn pass_the_retention(s: &mut Scenario, days: u32) {
-    s.changes(6);
-    s.db.capture().unwrap();
-    s.db.advance_clock(DAY * days).unwrap();
-    s.changes(5);
-    s.db.capture().unwrap();
-    assert!(s.db.cleanup(None).unwrap().watermark.is_some(), "cleanup ran");
 }
 
 /// This stream's facts rows, read from the table itself (no workflow
@@ -108,64 +60,14 @@ fn status(s: &Scenario) -> serde_json::Value {
     ok(s, &["status"])
 }
 
-/// The simulator's rows (`SimDb::rows`), every column as bronze stores it, by id.
-fn table_rows(s: &Scenario) -> BTreeMap<i64, Vec<String>> {
-    let columns = common::items_spec(&s.table).columns;
-    s.db.rows(&s.table)
-        .unwrap()
-        .into_iter()
-        .map(|row| (row[0].as_i64().unwrap(), row.iter().zip(&columns).map(|(v, c)| as_stored(v, &c.sql_type).canonical()).collect()))
-        .collect()
-}
-
-/// Bronze's image by the records' rule: the rows of snapshot S and the
-/// change rows after S; per id the latest by (_start_lsn, _command_id,
-/// _seqval, _operation), a snapshot row losing a tie; ids whose latest row is
-/// a delete (1) or a before-image (3) are absent.
-fn bronze_image(rt: &tokio::runtime::Runtime, s: &Scenario, snapshot: Lsn) -> BTreeMap<i64, Vec<String>> {
-    let columns = common::items_spec(&s.table).columns;
-    let sql = format!(
-        "SELECT * FROM (SELECT *, row_number() OVER (PARTITION BY id ORDER BY _start_lsn DESC, _command_id DESC NULLS LAST, \
-         _seqval DESC NULLS LAST, _operation DESC) AS rank_in_key FROM t \
-         WHERE (_operation = 0 AND coalesce(_snapshot, _start_lsn) = '{s}') OR (_operation <> 0 AND _start_lsn > '{s}')) \
-         WHERE rank_in_key = 1 AND _operation NOT IN (1, 3)",
-        s = snapshot.to_hex()
-    );
-    let batches = rt.block_on(async {
-        let ctx = s.context().await.unwrap();
-        mssql_cdc::delta::query(&ctx.bronze, &sql).await.unwrap()
-    });
-    let mut out = BTreeMap::new();
-    for b in &batches {
-        let cols: Vec<_> = columns.iter().map(|c| b.column_by_name(&c.name).unwrap_or_else(|| panic!("bronze lacks {}", c.name)).clone()).collect();
-        for i in 0..b.num_rows() {
-            let values: Vec<SqlValue> = cols.iter().zip(&columns).map(|(a, c)| value_at(a.as_ref(), i, &c.sql_type)).collect();
-            let id = values[0].as_i64().expect("an id");
-            assert!(out.insert(id, values.iter().map(SqlValue::canonical).collect()).is_none(), "id {id} twice in the image");
-        }
-    }
-    out
-}
 
 /// Bronze's image from the newest completed snapshot equals the table, every column.
 fn assert_bronze_equals_table(rt: &tokio::runtime::Runtime, s: &Scenario) {
     let rows = facts(rt, s);
-    let newest = rows
-        .iter()
-        .filter(|r| matches!(r.event.as_deref(), Some("bootstrap") | Some("resnapshot")))
-        .filter_map(|r| r.max_lsn)
-        .max()
-        .expect("a completed snapshot");
+    let newest = common::newest_completion(&rows).expect("a completed snapshot");
     let image = bronze_image(rt, s, newest);
     let table = table_rows(s);
-    assert!(!table.is_empty());
-    let ids: std::collections::BTreeSet<_> = table.keys().chain(image.keys()).collect();
-    let diff: Vec<_> = ids
-        .into_iter()
-        .filter(|k| table.get(k) != image.get(k))
-        .map(|k| format!("{k}: table {:?} / bronze {:?}", table.get(k), image.get(k)))
-        .collect();
-    assert!(diff.is_empty(), "{} ids differ: {:?}", diff.len(), &diff[..diff.len().min(5)]);
+    common::assert_image_is_table(&table, &image);
 }
 
 /// Each generation's batches tile the LSNs after its start without a gap or

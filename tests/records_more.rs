@@ -21,16 +21,14 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
-use std::time::{Duration, Instant, SystemTime};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use chrono::{DateTime, NaiveDateTime, TimeZone, Utc};
-use common::{item_row, Scenario};
+use common::{failpoint_command, item_row, last_json_line, Running, Scenario};
 use deltalake::arrow::array::{Array, FixedSizeBinaryArray, Int32Array, Int64Array, StringArray};
 use deltalake::arrow::compute::cast;
 use deltalake::arrow::datatypes::DataType;
@@ -41,11 +39,8 @@ use mssql_cdc::engine::chunked::{self, BackfillArgs};
 use mssql_cdc::engine::{self, Context};
 use mssql_cdc::error::{StepError, StepResult};
 use mssql_cdc::lsn::Lsn;
-use mssql_cdc::source::{
-    BatchStream, CaptureInstance, CdcSource, FencedRead, Isolation, KeyRange, RowFilter, ServerZone, SharedSource, SnapshotRead,
-    SourceError, TableInfo, TableName, TimeOp, CHANGE_OPERATION, CHANGE_SEQVAL, CHANGE_START_LSN,
-};
-use mssql_cdc::types::{Key, SqlType, SqlValue};
+use mssql_cdc::source::{CdcSource, RowFilter, SharedSource, SourceError, CHANGE_OPERATION, CHANGE_SEQVAL, CHANGE_START_LSN};
+use mssql_cdc::types::{SqlType, SqlValue};
 use serde_json::{json, Value};
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
@@ -313,98 +308,12 @@ fn stop_past_the_retention(s: &mut Scenario) {
 // ---------------------------------------------------------------------------
 // The command line, as a child process.
 
-fn command(s: &Scenario, args: &[&str], failpoints: Option<&str>) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mssql-cdc"));
-    c.arg("--workflow").arg(&s.wf_path).args(args).env("MSSQL_CDC_LOG", "warn,mssql_cdc=debug").current_dir(s.path());
-    if let Some(f) = failpoints {
-        c.env("MSSQL_CDC_FAILPOINTS", f);
-    }
-    c
-}
-
-fn last_json(stdout: &str) -> Value {
-    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout"));
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
-}
-
 /// Runs a step that must succeed; returns its JSON.
 fn ok(s: &Scenario, args: &[&str]) -> Value {
-    let out = command(s, args, None).output().unwrap();
-    let j = last_json(&String::from_utf8_lossy(&out.stdout));
+    let out = failpoint_command(s, args, None).output().unwrap();
+    let j = last_json_line(&String::from_utf8_lossy(&out.stdout));
     assert_eq!(out.status.code(), Some(0), "{args:?}: {j}\n{}", String::from_utf8_lossy(&out.stderr));
     j
-}
-
-/// A step running in a child process whose stderr lines the test watches.
-struct Running {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    stderr: Vec<String>,
-    stdout: std::thread::JoinHandle<String>,
-}
-
-impl Running {
-    fn spawn(s: &Scenario, args: &[&str], failpoints: &str) -> Running {
-        let mut child = command(s, args, Some(failpoints)).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-        let err = child.stderr.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                if tx.send(without_colours(&line)).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut out = child.stdout.take().unwrap();
-        let stdout = std::thread::spawn(move || {
-            let mut text = String::new();
-            out.read_to_string(&mut text).unwrap();
-            text
-        });
-        Running { child, lines, stderr: Vec::new(), stdout }
-    }
-
-    /// Waits for a stderr line holding `marker` (the process logs it before its sleep).
-    fn wait_for(&mut self, marker: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) => {
-                    self.stderr.push(line.clone());
-                    if line.contains(marker) {
-                        return line;
-                    }
-                }
-                Err(_) => panic!("no '{marker}' line in 60 s; stderr so far:\n{}", self.stderr.join("\n")),
-            }
-        }
-    }
-
-    fn finish(mut self) -> (i32, Value, String) {
-        let status = self.child.wait().unwrap();
-        self.stderr.extend(self.lines.iter());
-        let stdout = self.stdout.join().unwrap();
-        (status.code().unwrap_or(-1), last_json(&stdout), self.stderr.join("\n"))
-    }
-}
-
-/// The line without terminal colour codes (`ESC [ … m`), so fields read `rows=0`.
-fn without_colours(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for d in chars.by_ref() {
-                if d == 'm' {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 // ---------------------------------------------------------------------------
@@ -469,84 +378,17 @@ async fn earliest_and_latest_starts_never_fall_inside_a_purged_range() {
 /// server time can be read. A `stream` call reads max LSN once when it
 /// starts; the guard of a recovery in the same call then has none.
 struct MaxLsnOnce {
-    inner: SharedSource,
     calls: AtomicUsize,
 }
 
 #[async_trait]
-impl CdcSource for MaxLsnOnce {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    async fn max_lsn(&self) -> Result<Option<Lsn>, SourceError> {
+impl common::Hooks for MaxLsnOnce {
+    async fn max_lsn(&self, inner: &SharedSource) -> Result<Option<Lsn>, SourceError> {
         if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
-            self.inner.max_lsn().await
+            inner.max_lsn().await
         } else {
             Ok(None)
         }
-    }
-    async fn min_lsn(&self, ci: &str) -> Result<Option<Lsn>, SourceError> {
-        self.inner.min_lsn(ci).await
-    }
-    async fn increment_lsn(&self, lsn: Lsn) -> Result<Lsn, SourceError> {
-        self.inner.increment_lsn(lsn).await
-    }
-    async fn decrement_lsn(&self, lsn: Lsn) -> Result<Lsn, SourceError> {
-        self.inner.decrement_lsn(lsn).await
-    }
-    async fn table_info(&self, t: &TableName) -> Result<TableInfo, SourceError> {
-        self.inner.table_info(t).await
-    }
-    async fn capture_instances(&self, t: &TableName) -> Result<Vec<CaptureInstance>, SourceError> {
-        self.inner.capture_instances(t).await
-    }
-    async fn changes(&self, ci: &CaptureInstance, from: Lsn, to: Lsn, filter: RowFilter, batch_rows: usize) -> Result<BatchStream, SourceError> {
-        self.inner.changes(ci, from, to, filter, batch_rows).await
-    }
-    async fn snapshot_read(&self, read: &SnapshotRead) -> Result<BatchStream, SourceError> {
-        self.inner.snapshot_read(read).await
-    }
-    async fn snapshot_read_fenced(&self, read: &SnapshotRead) -> Result<FencedRead, SourceError> {
-        self.inner.snapshot_read_fenced(read).await
-    }
-    async fn key_extent(&self, t: &TableName, keys: &[String], iso: Isolation) -> Result<Option<(Key, Key)>, SourceError> {
-        self.inner.key_extent(t, keys, iso).await
-    }
-    async fn slice_counts(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64)>, SourceError> {
-        self.inner.slice_counts(t, key, lo, hi, width, iso).await
-    }
-    async fn null_count(&self, t: &TableName, key: &str, iso: Isolation) -> Result<u64, SourceError> {
-        self.inner.null_count(t, key, iso).await
-    }
-    async fn bucket_sums(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64, i128)>, SourceError> {
-        self.inner.bucket_sums(t, key, lo, hi, width, iso).await
-    }
-    async fn key_seek(&self, t: &TableName, keys: &[String], range: &KeyRange, n: u64, iso: Isolation) -> Result<Option<Key>, SourceError> {
-        self.inner.key_seek(t, keys, range, n, iso).await
-    }
-    async fn compare_keys(&self, t: &TableName, keys: &[String], pairs: &[(Key, Key)]) -> Result<Vec<std::cmp::Ordering>, SourceError> {
-        self.inner.compare_keys(t, keys, pairs).await
-    }
-    async fn row_estimate(&self, t: &TableName) -> Result<u64, SourceError> {
-        self.inner.row_estimate(t).await
-    }
-    async fn time_to_lsn(&self, op: TimeOp, t: NaiveDateTime) -> Result<Option<Lsn>, SourceError> {
-        self.inner.time_to_lsn(op, t).await
-    }
-    async fn lsn_to_time(&self, lsn: Lsn) -> Result<Option<NaiveDateTime>, SourceError> {
-        self.inner.lsn_to_time(lsn).await
-    }
-    async fn server_time_zone(&self) -> Result<ServerZone, SourceError> {
-        self.inner.server_time_zone().await
-    }
-    async fn server_local_times(&self, instants: &[DateTime<Utc>]) -> Result<Vec<NaiveDateTime>, SourceError> {
-        self.inner.server_local_times(instants).await
-    }
-    async fn row_count(&self, t: &TableName, iso: Isolation) -> Result<u64, SourceError> {
-        self.inner.row_count(t, iso).await
-    }
-    async fn date_bucket_sums(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64, i128)>, SourceError> {
-        self.inner.date_bucket_sums(t, key, lo, hi, width, iso).await
     }
 }
 
@@ -580,13 +422,13 @@ async fn without_a_max_lsn_the_guard_has_no_server_time_and_no_snapshot_is_read(
 
     // The same loss, max LSN NULL from the guard on.
     let mut ctx = s.context().await.unwrap();
-    let blank = Arc::new(MaxLsnOnce { inner: ctx.source.clone(), calls: AtomicUsize::new(0) });
+    let blank = Arc::new(common::Wrapped::new(ctx.source.clone(), MaxLsnOnce { calls: AtomicUsize::new(0) }));
     ctx.source = blank.clone();
     let e = engine::stream::run(&mut ctx).await.unwrap_err();
     assert!(matches!(e, StepError::Temporary(_)), "no server time: call again, not a decision on another clock: {e}");
     assert_eq!(e.exit_code(), 75);
     assert!(e.to_string().contains("max LSN is NULL"), "{e}");
-    assert!(blank.calls.load(Ordering::SeqCst) >= 2, "the guard asked for max LSN after the call's own read");
+    assert!(blank.hooks.calls.load(Ordering::SeqCst) >= 2, "the guard asked for max LSN after the call's own read");
     let rows = facts(&s).await;
     let recoveries = events(&rows, "recovery");
     assert_eq!(recoveries.len(), 2, "{recoveries:?}");

@@ -25,7 +25,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::model::{delta_rows, source_rows};
-use common::Scenario;
+use common::{table_rows_by_id as table_rows, Scenario};
 use deltalake::arrow::array::{Array, Int64Array, StringArray};
 use mssql_cdc::delta::facts::{self, FactRow};
 use mssql_cdc::delta::plans::{self, PlanRow};
@@ -35,7 +35,7 @@ use mssql_cdc::error::{StepError, StepResult};
 use mssql_cdc::lsn::Lsn;
 use mssql_cdc::sim::FaultOn;
 use mssql_cdc::source::SourceError;
-use mssql_cdc::types::{as_stored, value_at, SqlValue};
+use mssql_cdc::types::SqlValue;
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
@@ -158,6 +158,27 @@ impl<T: Send + 'static> Call<T> {
             Err(panic) => std::panic::resume_unwind(panic),
         }
     }
+}
+
+/// A test's hold on the process's failpoints (one test at a time, cleared
+/// when it ends) and the test's own runtime.
+fn failpoints_and_runtime() -> (fail::FailScenario<'static>, tokio::runtime::Runtime) {
+    let fp = fail::FailScenario::setup();
+    (fp, tokio::runtime::Runtime::new().unwrap())
+}
+
+/// Starts `step` on the workflow file `wf` as a [`Call`] and waits until
+/// `gate` (armed before, with any other gate the call meets) holds it.
+fn start_held<T, F, Fut>(gate: &Gate, wf: &Path, step: F) -> Call<T>
+where
+    T: std::fmt::Debug + Send + 'static,
+    F: FnOnce(PathBuf) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = T>,
+{
+    let wf = wf.to_path_buf();
+    let mut call = Call::start(move || step(wf));
+    gate.wait_held(&mut call);
+    call
 }
 
 fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
@@ -346,61 +367,20 @@ fn assert_each_chunk_once(rt: &tokio::runtime::Runtime, s: &Scenario, snap: Lsn)
     n
 }
 
-/// The simulator's rows (`SimDb::rows`), every column as bronze stores it, by id.
-fn table_rows(s: &Scenario) -> BTreeMap<i64, Vec<String>> {
-    let columns = common::items_spec(&s.table).columns;
-    s.db.rows(&s.table)
-        .unwrap()
-        .into_iter()
-        .map(|row| (row[0].as_i64().unwrap(), row.iter().zip(&columns).map(|(v, c)| as_stored(v, &c.sql_type).canonical()).collect()))
-        .collect()
-}
-
-/// Bronze's image by the records' rule: the rows of snapshot S and the
-/// change rows after S; per id the latest by (_start_lsn, _command_id,
-/// _seqval, _operation), a snapshot row losing a tie; ids whose latest row is
-/// a delete (1) or a before-image (3) are absent.
+/// Bronze's image by the records' rule (`common::bronze_image_sql`).
 fn bronze_image(rt: &tokio::runtime::Runtime, s: &Scenario, snapshot: Lsn) -> BTreeMap<i64, Vec<String>> {
     let columns = common::items_spec(&s.table).columns;
-    let sql = format!(
-        "SELECT * FROM (SELECT *, row_number() OVER (PARTITION BY id ORDER BY _start_lsn DESC, _command_id DESC NULLS LAST, \
-         _seqval DESC NULLS LAST, _operation DESC) AS rank_in_key FROM t \
-         WHERE (_operation = 0 AND coalesce(_snapshot, _start_lsn) = '{s}') OR (_operation <> 0 AND _start_lsn > '{s}')) \
-         WHERE rank_in_key = 1 AND _operation NOT IN (1, 3)",
-        s = snapshot.to_hex()
-    );
-    let mut out = BTreeMap::new();
-    for b in &query(rt, &location(s, "bronze"), &sql) {
-        let cols: Vec<_> = columns.iter().map(|c| b.column_by_name(&c.name).unwrap_or_else(|| panic!("bronze lacks {}", c.name)).clone()).collect();
-        for i in 0..b.num_rows() {
-            let values: Vec<SqlValue> = cols.iter().zip(&columns).map(|(a, c)| value_at(a.as_ref(), i, &c.sql_type)).collect();
-            let id = values[0].as_i64().expect("an id");
-            assert!(out.insert(id, values.iter().map(SqlValue::canonical).collect()).is_none(), "id {id} twice in the image");
-        }
-    }
-    out
+    common::image_by_id(&query(rt, &location(s, "bronze"), &common::bronze_image_sql(snapshot)), &columns)
 }
 
 /// Bronze's image from the newest completed snapshot equals the table, every
 /// column, and no change row is in bronze twice. Returns that snapshot's S.
 fn assert_bronze_equals_table(rt: &tokio::runtime::Runtime, s: &Scenario) -> Lsn {
     let rows = facts_rows(rt, s);
-    let newest = rows
-        .iter()
-        .filter(|r| matches!(r.event.as_deref(), Some("bootstrap") | Some("resnapshot")))
-        .filter_map(|r| r.max_lsn)
-        .max()
-        .expect("a completed snapshot");
+    let newest = common::newest_completion(&rows).expect("a completed snapshot");
     let image = bronze_image(rt, s, newest);
     let table = table_rows(s);
-    assert!(!table.is_empty());
-    let ids: BTreeSet<_> = table.keys().chain(image.keys()).collect();
-    let diff: Vec<_> = ids
-        .into_iter()
-        .filter(|k| table.get(k) != image.get(k))
-        .map(|k| format!("{k}: table {:?} / bronze {:?}", table.get(k), image.get(k)))
-        .collect();
-    assert!(diff.is_empty(), "{} ids differ: {:?}", diff.len(), &diff[..diff.len().min(5)]);
+    common::assert_image_is_table(&table, &image);
     let twice = int_rows(
         rt,
         &location(s, "bronze"),
@@ -426,6 +406,15 @@ fn stream_until_caught_up(rt: &tokio::runtime::Runtime, s: &Scenario) {
     rt.block_on(s.stream_until_caught_up());
 }
 
+/// The stream catches up; then each chunk of snapshot `snap` is recorded and
+/// read once, and bronze's image from `snap`, the newest completed
+/// snapshot, equals the table.
+fn assert_caught_up_whole(rt: &tokio::runtime::Runtime, s: &Scenario, snap: Lsn) {
+    stream_until_caught_up(rt, s);
+    assert_each_chunk_once(rt, s, snap);
+    assert_eq!(assert_bronze_equals_table(rt, s), snap);
+}
+
 // ---------------------------------------------------------------------------
 // The rows.
 
@@ -439,14 +428,11 @@ fn stream_until_caught_up(rt: &tokio::runtime::Runtime, s: &Scenario) {
 /// once, inside its bounds.
 #[test]
 fn two_first_backfills_plan_at_once_and_both_go_on_with_the_recorded_plan() {
-    let _fp = fail::FailScenario::setup();
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (_fp, rt) = failpoints_and_runtime();
     let s = Scenario::new(40, CHUNKED);
     rt.block_on(s.stream()).unwrap();
     let gate = Gate::hold("chunked.before_plan_plans", 1);
-    let wf = s.wf_path.clone();
-    let mut held = Call::start(move || backfill_at(wf, BackfillArgs { chunk_rows: Some(4), ..Default::default() }));
-    gate.wait_held(&mut held);
+    let mut held = start_held(&gate, &s.wf_path, |wf| backfill_at(wf, BackfillArgs { chunk_rows: Some(4), ..Default::default() }));
     let first = rt.block_on(backfill_at(s.wf_path.clone(), one_wave())).unwrap();
     assert_eq!(first.waves, 1, "{first:?}");
     assert!(first.chunks_total < 10, "the recorded plan (10 rows a chunk) must differ from the held call's (4 rows a chunk): {first:?}");
@@ -474,15 +460,12 @@ fn two_first_backfills_plan_at_once_and_both_go_on_with_the_recorded_plan() {
 /// completes and bronze equals the table.
 #[test]
 fn a_full_run_stops_when_a_chunked_open_appears_after_its_check() {
-    let _fp = fail::FailScenario::setup();
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (_fp, rt) = failpoints_and_runtime();
     let s = Scenario::new(30, CHUNKED);
     let full_wf = s.path().join("items_full.toml");
     std::fs::write(&full_wf, std::fs::read_to_string(&s.wf_path).unwrap().replace("mode = \"chunked\"", "mode = \"full\"")).unwrap();
     let gate = Gate::hold("snapshot.before_open", 1);
-    let wf = full_wf.clone();
-    let mut full = Call::start(move || full_bootstrap_at(wf));
-    gate.wait_held(&mut full);
+    let mut full = start_held(&gate, &full_wf, full_bootstrap_at);
     let opened = rt.block_on(open_chunked_at(s.wf_path.clone())).unwrap().expect("a chunked open");
     assert!(opened.opened_now, "{opened:?}");
     gate.open();
@@ -499,9 +482,7 @@ fn a_full_run_stops_when_a_chunked_open_appears_after_its_check() {
     assert_eq!(int_rows(&rt, &location(&s, "bronze"), "SELECT CAST(COUNT(*) AS BIGINT) FROM t WHERE _operation = 0"), vec![vec![Some(0)]], "no snapshot row in bronze");
 
     backfill_until_done(&rt, &s.wf_path);
-    stream_until_caught_up(&rt, &s);
-    assert_each_chunk_once(&rt, &s, opened.snapshot_lsn);
-    assert_eq!(assert_bronze_equals_table(&rt, &s), opened.snapshot_lsn);
+    assert_caught_up_whole(&rt, &s, opened.snapshot_lsn);
 }
 
 /// 28.83: two chunked opens of generation 0 at once, at different S (the
@@ -512,13 +493,10 @@ fn a_full_run_stops_when_a_chunked_open_appears_after_its_check() {
 /// completes at that S equal to the table.
 #[test]
 fn two_chunked_opens_of_one_generation_keep_one_and_both_use_it() {
-    let _fp = fail::FailScenario::setup();
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (_fp, rt) = failpoints_and_runtime();
     let mut s = Scenario::new(30, CHUNKED);
     let gate = Gate::hold("chunked.after_open_plans", 1);
-    let wf = s.wf_path.clone();
-    let mut held = Call::start(move || open_chunked_at(wf));
-    gate.wait_held(&mut held);
+    let mut held = start_held(&gate, &s.wf_path, open_chunked_at);
     s.changes(4);
     s.db.capture().unwrap();
     let second = rt.block_on(open_chunked_at(s.wf_path.clone())).unwrap().expect("the second open");
@@ -552,8 +530,7 @@ fn two_chunked_opens_of_one_generation_keep_one_and_both_use_it() {
 /// chunks again. Each chunk is in bronze once and recorded once.
 #[test]
 fn a_call_whose_waves_another_call_committed_exits_75_and_the_rerun_reads_the_rest_once() {
-    let _fp = fail::FailScenario::setup();
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (_fp, rt) = failpoints_and_runtime();
     let s = Scenario::new(100, CHUNKED);
     rt.block_on(s.stream()).unwrap();
     let w0 = rt.block_on(backfill_at(s.wf_path.clone(), one_wave())).unwrap();
@@ -561,9 +538,7 @@ fn a_call_whose_waves_another_call_committed_exits_75_and_the_rerun_reads_the_re
     assert!(n >= 8, "the race needs waves left after waves 0 to 2: {w0:?}");
     let commit = Gate::hold("chunked.before_wave_bronze", 1);
     let reads = Gate::count("chunked.before_chunk_read");
-    let wf = s.wf_path.clone();
-    let mut held = Call::start(move || backfill_at(wf, BackfillArgs::default()));
-    commit.wait_held(&mut held);
+    let mut held = start_held(&commit, &s.wf_path, |wf| backfill_at(wf, BackfillArgs::default()));
     // Its readers go on while its commit is held: every chunk left is read ahead.
     wait_until("the held call reads every chunk left ahead", || reads.hits() as usize >= n - 2);
     let other = rt.block_on(backfill_at(s.wf_path.clone(), BackfillArgs { max_waves: Some(2), ..Default::default() })).unwrap();
@@ -596,15 +571,12 @@ fn a_call_whose_waves_another_call_committed_exits_75_and_the_rerun_reads_the_re
 /// The rerun finds nothing to repair and completes.
 #[test]
 fn a_reader_failure_fails_the_call_after_the_commit_in_progress_completes() {
-    let _fp = fail::FailScenario::setup();
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (_fp, rt) = failpoints_and_runtime();
     let s = Scenario::new(40, CHUNKED_ONE_READER);
     rt.block_on(s.stream()).unwrap();
     let commit = Gate::hold("chunked.before_wave_bronze", 1);
     let read = Gate::hold("chunked.before_chunk_read", 2);
-    let wf = s.wf_path.clone();
-    let mut call = Call::start(move || backfill_at(wf, BackfillArgs::default()));
-    commit.wait_held(&mut call);
+    let mut call = start_held(&commit, &s.wf_path, |wf| backfill_at(wf, BackfillArgs::default()));
     read.wait_held(&mut call);
     // Chunk 1's SELECT fails: SQL Server error 208, which no retry passes.
     s.db.inject_server_error(FaultOn::Snapshot, 0, 1, 208).unwrap();
@@ -629,9 +601,7 @@ fn a_reader_failure_fails_the_call_after_the_commit_in_progress_completes() {
 
     let rerun = rt.block_on(backfill_at(s.wf_path.clone(), BackfillArgs::default())).unwrap();
     assert!(rerun.done && rerun.repaired_wave.is_none(), "the failed call left no wave half committed: {rerun:?}");
-    stream_until_caught_up(&rt, &s);
-    assert_each_chunk_once(&rt, &s, snap);
-    assert_eq!(assert_bronze_equals_table(&rt, &s), snap);
+    assert_caught_up_whole(&rt, &s, snap);
 }
 
 /// 28.97, commit side: the reader is held in chunk 1's read while wave 0's
@@ -641,16 +611,13 @@ fn a_reader_failure_fails_the_call_after_the_commit_in_progress_completes() {
 /// bronze's commit and reads chunk 1 again, once.
 #[test]
 fn a_commit_failure_fails_the_call_after_the_reader_finishes_its_chunk() {
-    let _fp = fail::FailScenario::setup();
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (_fp, rt) = failpoints_and_runtime();
     let s = Scenario::new(40, CHUNKED_ONE_READER);
     rt.block_on(s.stream()).unwrap();
     fail::cfg("chunked.after_wave_bronze", "1*return").unwrap();
     let commit = Gate::hold("chunked.before_wave_bronze", 1);
     let read = Gate::hold("chunked.before_chunk_read", 2);
-    let wf = s.wf_path.clone();
-    let mut call = Call::start(move || backfill_at(wf, BackfillArgs::default()));
-    commit.wait_held(&mut call);
+    let mut call = start_held(&commit, &s.wf_path, |wf| backfill_at(wf, BackfillArgs::default()));
     read.wait_held(&mut call);
     let bronze_before = log_commits(&s, "bronze");
     commit.open();
@@ -670,9 +637,7 @@ fn a_commit_failure_fails_the_call_after_the_reader_finishes_its_chunk() {
 
     let rerun = rt.block_on(backfill_at(s.wf_path.clone(), BackfillArgs::default())).unwrap();
     assert!(rerun.done && rerun.repaired_wave == Some(0), "{rerun:?}");
-    stream_until_caught_up(&rt, &s);
-    assert_each_chunk_once(&rt, &s, snap);
-    assert_eq!(assert_bronze_equals_table(&rt, &s), snap);
+    assert_caught_up_whole(&rt, &s, snap);
 }
 
 /// 28.112: `apply` is held between its facts read (wave 0 recorded) and
@@ -683,17 +648,14 @@ fn a_commit_failure_fails_the_call_after_the_reader_finishes_its_chunk() {
 /// completes and the changes after S are applied.
 #[test]
 fn a_wave_landing_between_applys_facts_and_plans_reads_is_taken_by_the_next_apply() {
-    let _fp = fail::FailScenario::setup();
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (_fp, rt) = failpoints_and_runtime();
     let mut s = Scenario::new(60, CHUNKED_SILVER);
     let columns = common::items_spec(&s.table).columns;
     rt.block_on(s.stream()).unwrap();
     let w0 = rt.block_on(backfill_at(s.wf_path.clone(), one_wave())).unwrap();
     assert!(w0.chunks_total >= 5, "the race needs a third wave: {w0:?}");
     let gate = Gate::hold("apply.between_facts_and_plans", 1);
-    let wf = s.wf_path.clone();
-    let mut held = Call::start(move || apply_at(wf));
-    gate.wait_held(&mut held);
+    let mut held = start_held(&gate, &s.wf_path, apply_at);
     let w1 = rt.block_on(backfill_at(s.wf_path.clone(), one_wave())).unwrap();
     assert_eq!((w1.waves, w1.done), (1, false), "{w1:?}");
     gate.open();
@@ -739,8 +701,7 @@ fn a_wave_landing_between_applys_facts_and_plans_reads_is_taken_by_the_next_appl
 /// bronze equals the table after the stream catches up.
 #[test]
 fn two_recoveries_at_once_record_one_recovery_and_one_resnapshot() {
-    let _fp = fail::FailScenario::setup();
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (_fp, rt) = failpoints_and_runtime();
     let mut s = Scenario::new(30, FULL_RESNAPSHOT);
     stream_until_caught_up(&rt, &s);
     s.changes(5);
@@ -755,9 +716,7 @@ fn two_recoveries_at_once_record_one_recovery_and_one_resnapshot() {
     assert!(s.db.cleanup(None).unwrap().watermark.is_some(), "cleanup ran");
 
     let gate = Gate::hold("recover.before_recovery_row", 1);
-    let wf = s.wf_path.clone();
-    let mut held = Call::start(move || stream_at(wf));
-    gate.wait_held(&mut held);
+    let mut held = start_held(&gate, &s.wf_path, stream_at);
     let other = rt.block_on(stream_at(s.wf_path.clone())).unwrap();
     let rec = other.recovery.as_ref().expect("the other call recovers");
     assert_eq!((rec.generation, rec.mode), (1, "full"), "{rec:?}");

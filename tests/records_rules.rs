@@ -16,75 +16,19 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::Scenario;
+use common::{
+    bronze_image, cli_backfill_until_done as backfill_until_done, cli_stream_until_caught_up as stream_until_caught_up, pass_the_retention, ok, step,
+    Scenario,
+};
 use mssql_cdc::delta::facts::FactRow;
 use mssql_cdc::lsn::Lsn;
 use mssql_cdc::sim::SimError;
 use mssql_cdc::source::CdcSource;
-use mssql_cdc::types::{as_stored, value_at, SqlValue};
+use mssql_cdc::types::as_stored;
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
-
-fn run(s: &Scenario, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mssql-cdc"));
-    c.arg("--workflow").arg(&s.wf_path).args(args).env("MSSQL_CDC_LOG", "warn");
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    c.output().unwrap()
-}
-
-fn last_json(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
-}
-
-/// Runs a step and returns (exit code, JSON).
-fn step(s: &Scenario, args: &[&str], env: &[(&str, &str)]) -> (i32, serde_json::Value) {
-    let out = run(s, args, env);
-    let j = last_json(&out);
-    (out.status.code().unwrap_or(-1), j)
-}
-
-/// Runs a step that must succeed.
-fn ok(s: &Scenario, args: &[&str]) -> serde_json::Value {
-    let (code, j) = step(s, args, &[]);
-    assert_eq!(code, 0, "{args:?}: {j}");
-    j
-}
-
-fn stream_until_caught_up(s: &Scenario) {
-    for _ in 0..50 {
-        if ok(s, &["stream"])["caught_up"] == true {
-            return;
-        }
-    }
-    panic!("the stream did not catch up in 50 calls");
-}
-
-fn backfill_until_done(s: &Scenario) {
-    for _ in 0..50 {
-        if ok(s, &["backfill"])["done"] == true {
-            return;
-        }
-    }
-    panic!("backfill did not finish in 50 calls");
-}
-
-/// The stream stops; changes happen; `days` pass; more changes; the capture
-/// job runs, then cleanup (the simulator's 3-day retention).
-fn pass_the_retention(s: &mut Scenario, days: u32) {
-    s.changes(6);
-    s.db.capture().unwrap();
-    s.db.advance_clock(DAY * days).unwrap();
-    s.changes(5);
-    s.db.capture().unwrap();
-    assert!(s.db.cleanup(None).unwrap().watermark.is_some(), "cleanup ran");
-}
 
 /// A Parquet copy of the table as it is now, and the LSN recorded before it.
 fn copy_now(rt: &tokio::runtime::Runtime, s: &Scenario, name: &str) -> (std::path::PathBuf, Lsn) {
@@ -146,42 +90,10 @@ fn table_rows(s: &Scenario) -> BTreeMap<i64, Vec<String>> {
     out
 }
 
-/// Bronze's image, rebuilt here by the records' rule: the rows of snapshot S
-/// and the change rows after S; per id the latest by (_start_lsn,
-/// _command_id, _seqval, _operation), a snapshot row losing a tie; ids whose
-/// latest row is a delete (1) or a before-image (3) are absent.
-fn bronze_image(rt: &tokio::runtime::Runtime, s: &Scenario, snapshot: Lsn) -> BTreeMap<i64, Vec<String>> {
-    let columns = common::items_spec(&s.table).columns;
-    let sql = format!(
-        "SELECT * FROM (SELECT *, row_number() OVER (PARTITION BY id ORDER BY _start_lsn DESC, _command_id DESC NULLS LAST, \
-         _seqval DESC NULLS LAST, _operation DESC) AS rank_in_key FROM t \
-         WHERE (_operation = 0 AND coalesce(_snapshot, _start_lsn) = '{s}') OR (_operation <> 0 AND _start_lsn > '{s}')) \
-         WHERE rank_in_key = 1 AND _operation NOT IN (1, 3)",
-        s = snapshot.to_hex()
-    );
-    let batches = rt.block_on(async {
-        let ctx = s.context().await.unwrap();
-        mssql_cdc::delta::query(&ctx.bronze, &sql).await.unwrap()
-    });
-    let mut out = BTreeMap::new();
-    for b in &batches {
-        let cols: Vec<_> = columns.iter().map(|c| b.column_by_name(&c.name).unwrap_or_else(|| panic!("bronze lacks {}", c.name)).clone()).collect();
-        for i in 0..b.num_rows() {
-            let values: Vec<SqlValue> = cols.iter().zip(&columns).map(|(a, c)| value_at(a.as_ref(), i, &c.sql_type)).collect();
-            let id = values[0].as_i64().expect("an id");
-            assert!(out.insert(id, values.iter().map(SqlValue::canonical).collect()).is_none(), "id {id} twice in the image");
-        }
-    }
-    out
-}
 
 /// The newest completed snapshot's S, read from the facts rows themselves.
 fn newest_completion(rows: &[FactRow]) -> Lsn {
-    rows.iter()
-        .filter(|r| matches!(r.event.as_deref(), Some("bootstrap") | Some("resnapshot")))
-        .filter_map(|r| r.max_lsn)
-        .max()
-        .expect("a completed snapshot")
+    common::newest_completion(rows).expect("a completed snapshot")
 }
 
 /// Bronze's image from the newest completed snapshot equals the table, every column.
@@ -189,16 +101,7 @@ fn assert_bronze_equals_table(rt: &tokio::runtime::Runtime, s: &Scenario) {
     let rows = facts(rt, s);
     let image = bronze_image(rt, s, newest_completion(&rows));
     let table = table_rows(s);
-    assert!(!table.is_empty());
-    let diff: Vec<_> = table
-        .keys()
-        .chain(image.keys())
-        .collect::<std::collections::BTreeSet<_>>()
-        .into_iter()
-        .filter(|k| table.get(k) != image.get(k))
-        .map(|k| format!("{k}: table {:?} / bronze {:?}", table.get(k), image.get(k)))
-        .collect();
-    assert!(diff.is_empty(), "{} ids differ: {:?}", diff.len(), &diff[..diff.len().min(5)]);
+    common::assert_image_is_table(&table, &image);
 }
 
 /// Each generation's batches tile the LSNs after its start without a gap or

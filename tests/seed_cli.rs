@@ -6,7 +6,7 @@ mod common;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::Scenario;
+use common::{last_json, Scenario};
 use mssql_cdc::source::CdcSource;
 
 fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
@@ -16,12 +16,6 @@ fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
         c.env(k, v);
     }
     c.output().unwrap()
-}
-
-fn last_json(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
 }
 
 fn seed(s: &Scenario, copy: &Path, as_of: &str, extra: &[&str]) -> (i32, serde_json::Value) {
