@@ -77,6 +77,40 @@
 //! logs a key's insert before its delete; `engine::change_order` refuses
 //! exactly those batches (exit 3) instead of dropping the key.
 //!
+//! # Keyset seeks, piece by piece
+//!
+//! adr-0028 has a keyset bound found by a `TOP (n+1)` read for each piece of
+//! the range an index can seek. A composite key's range `(k1, k2) >= (v1, v2)`
+//! written as one predicate is an OR, `k1 > v1 OR (k1 = v1 AND k2 >= v2)`,
+//! and an index on (k1, k2) seeks only a conjunction: equalities on a prefix
+//! of its columns, then a range on the next. Whether the optimizer splits the
+//! OR into seeks (an index union, or a dynamic seek over merged intervals) is
+//! its choice per plan: write-ups on indexing for OR predicates (Gail Shaw,
+//! "Indexing for ORs", sqlinthewild.co.za, 2011; Microsoft's support blog
+//! "Why doesn't SQL Server use index seek with this query?", 2009) show that
+//! an OR whose branches are not all ranges of one leading column is
+//! evaluated as independent predicates, which one seek cannot serve, and
+//! often ends in a scan; with `TOP` and `ORDER BY` over the whole key a scan
+//! of the index in key order looks cheap to the optimizer. [`key_seek`] therefore
+//! sends each piece, `k1 = v1 AND … AND k(i-1) = v(i-1) AND ki > vi`
+//! ([`seek_pieces`]; the upper bound is cut the same way and, with both
+//! bounds, each piece is one lower and one upper piece together), as its own
+//! `SELECT TOP (n+1) … ORDER BY <keys>`, and leaves nothing to the optimizer
+//! but seeking each.
+//!
+//! The branches are derived tables, `SELECT p0.* FROM (SELECT TOP … ORDER BY
+//! …) AS p0 UNION ALL …`, because of two T-SQL rules in Microsoft's
+//! documentation (the ORDER BY clause reference, and the guidelines for
+//! UNION, EXCEPT and INTERSECT): in a UNION the ORDER BY clause may only follow the last
+//! query and applies to the whole result, never to a branch; and an ORDER BY
+//! inside a derived table (a view, a subquery, a CTE) is rejected, error
+//! 1033, unless TOP (or OFFSET, or FOR XML) comes with it, and then it only
+//! decides which rows TOP keeps, not the order they come out in. So every
+//! ORDER BY below the outermost level has its TOP, and the order that counts
+//! is written again on the outer `SELECT TOP (n+1) … ORDER BY <keys>`. Only
+//! a server shows the plan: `tests/mssql_integration.rs` is where it can be
+//! checked.
+//!
 //! The golden tests at the bottom snapshot each statement and parse it with
 //! sqlparser's SQL Server dialect.
 
@@ -654,23 +688,263 @@ pub fn key_compare(keys: &[KeyCol], collations: &[Option<String>], pairs: &[(Key
 /// rows are taken in key order, and the last of them is returned with how many
 /// there were (`taken`); the caller keeps it only when `taken = n+1`.
 /// Columns: the key columns, then taken.
+///
+/// One key column: one `SELECT TOP (n+1) … WHERE <range> ORDER BY <key>`,
+/// the range as [`snapshot_read`] writes it. Several: the range is cut into
+/// the pieces of [`seek_pieces`], each read as its own
+/// `SELECT TOP (n+1) … WHERE <piece> ORDER BY <keys>` in a derived table;
+/// the branches are joined with `UNION ALL` and an outer
+/// `SELECT TOP (n+1) … ORDER BY <keys>` keeps the first `n+1` of them (the
+/// pieces share no row, so no row counts twice, and the first `n+1` rows of
+/// the range are among the first `n+1` of their pieces). A range that is one
+/// piece (the whole table) stays one statement. The result has the same
+/// columns either way. See "Keyset seeks, piece by piece" in the module docs.
 pub fn key_seek(table: &TableName, keys: &[KeyCol], range: &KeyRange, n: u64) -> Result<Statement, String> {
     let mut p = Params::default();
     let take = i64::try_from(n).ok().and_then(|n| n.checked_add(1)).ok_or_else(|| format!("seek offset {n} is too large"))?;
     let top = p.bind(SqlValue::Int(take));
     let cols = key_list(keys, false);
-    let mut inner = format!("SELECT TOP ({top}) {cols} FROM {}", quote_table(table));
-    if let Some(w) = range_condition(keys, range, &mut p)? {
-        inner.push_str(" WHERE ");
-        inner.push_str(&w);
-    }
-    inner.push_str(&format!(" ORDER BY {cols}"));
+    let t = quote_table(table);
+    let inner = if keys.len() <= 1 {
+        let mut inner = format!("SELECT TOP ({top}) {cols} FROM {t}");
+        if let Some(w) = range_condition(keys, range, &mut p)? {
+            inner.push_str(" WHERE ");
+            inner.push_str(&w);
+        }
+        inner.push_str(&format!(" ORDER BY {cols}"));
+        inner
+    } else {
+        let pieces = seek_pieces(keys, range, &mut p)?;
+        let branch = |w: &Option<String>| match w {
+            Some(w) => format!("SELECT TOP ({top}) {cols} FROM {t} WHERE {w} ORDER BY {cols}"),
+            None => format!("SELECT TOP ({top}) {cols} FROM {t} ORDER BY {cols}"),
+        };
+        if pieces.len() == 1 {
+            branch(&pieces[0])
+        } else {
+            let union = pieces
+                .iter()
+                .enumerate()
+                .map(|(i, w)| format!("SELECT p{i}.* FROM ({}) AS p{i}", branch(w)))
+                .collect::<Vec<_>>()
+                .join(" UNION ALL ");
+            let u_cols = keys.iter().map(|k| format!("u.{}", quote_ident(&k.name))).collect::<Vec<_>>().join(", ");
+            format!("SELECT TOP ({top}) {u_cols} FROM ({union}) AS u ORDER BY {u_cols}")
+        }
+    };
     let outer_cols = keys.iter().map(|k| format!("s.{}", quote_ident(&k.name))).collect::<Vec<_>>().join(", ");
     let outer_desc = keys.iter().map(|k| format!("s.{} DESC", quote_ident(&k.name))).collect::<Vec<_>>().join(", ");
     Ok(Statement::new(
         format!("SELECT TOP (1) {outer_cols}, COUNT_BIG(*) OVER () AS taken FROM ({inner}) AS s ORDER BY {outer_desc}"),
         p.0,
     ))
+}
+
+/// One piece of a composite key's range: conditions on single columns (the
+/// column's index, the text, and whether it only says the column is not
+/// NULL), and at most one condition over several columns, written last.
+#[derive(Debug, Clone, Default)]
+struct Piece {
+    conds: Vec<(usize, String, bool)>,
+    tail: Option<String>,
+}
+
+impl Piece {
+    fn with(mut self, col: usize, cond: String) -> Piece {
+        self.conds.push((col, cond, false));
+        self
+    }
+
+    fn not_null(mut self, keys: &[KeyCol], col: usize) -> Piece {
+        self.conds.push((col, format!("{} IS NOT NULL", quote_ident(&keys[col].name)), true));
+        self
+    }
+
+    /// Both pieces' conditions (a row in both).
+    fn and(&self, other: &Piece) -> Piece {
+        let mut conds = self.conds.clone();
+        conds.extend(other.conds.iter().cloned());
+        let tail = match (&self.tail, &other.tail) {
+            (Some(a), Some(b)) => Some(format!("{a} AND {b}")),
+            (a, b) => a.clone().or_else(|| b.clone()),
+        };
+        Piece { conds, tail }
+    }
+
+    /// The WHERE condition, columns in key order; `IS NOT NULL` is left out
+    /// where another condition on the column already excludes NULL. None
+    /// when the piece is the whole table.
+    fn sql(&self) -> Option<String> {
+        let mut conds: Vec<&(usize, String, bool)> = self.conds.iter().collect();
+        conds.sort_by_key(|c| c.0);
+        let mut parts: Vec<String> = Vec::new();
+        for c in &conds {
+            if c.2 && conds.iter().any(|o| o.0 == c.0 && !o.2) {
+                continue;
+            }
+            if !parts.contains(&c.1) {
+                parts.push(c.1.clone());
+            }
+        }
+        parts.extend(self.tail.iter().cloned());
+        if parts.is_empty() {
+            None
+        } else {
+            Some(parts.join(" AND "))
+        }
+    }
+}
+
+/// The placeholders of one bound's components, each bound at its first use
+/// (a component only ever compared with NULL binds nothing) and reused.
+struct BoundHolders<'a> {
+    keys: &'a [KeyCol],
+    values: &'a [SqlValue],
+    cache: Vec<Option<String>>,
+}
+
+impl<'a> BoundHolders<'a> {
+    fn new(keys: &'a [KeyCol], values: &'a [SqlValue]) -> BoundHolders<'a> {
+        BoundHolders { keys, values, cache: vec![None; values.len()] }
+    }
+
+    /// The component's expression; callers check it is not NULL first.
+    fn get(&mut self, i: usize, p: &mut Params) -> String {
+        if self.cache[i].is_none() {
+            self.cache[i] = Some(bound_expr(p.bind(self.values[i].clone()), &self.keys[i].sql_type));
+        }
+        self.cache[i].clone().unwrap_or_default()
+    }
+
+    /// `k1 = v1 AND … AND k(i-1) = v(i-1)` as a piece (the components must be non-NULL).
+    fn prefix(&mut self, i: usize, p: &mut Params) -> Piece {
+        let mut piece = Piece::default();
+        for j in 0..i {
+            let h = self.get(j, p);
+            piece = piece.with(j, format!("{} = {h}", quote_ident(&self.keys[j].name)));
+        }
+        piece
+    }
+}
+
+/// The rows at or above `lo` (inclusive; every key column non-NULL), cut
+/// where they first exceed it: piece i is `k1 = v1 AND … AND k(i-1) = v(i-1)
+/// AND ki > vi` (`>=` on the last column), the columns after i `IS NOT NULL`.
+/// A NULL component sorts lowest: at i it makes the piece `ki IS NOT NULL`,
+/// and no piece follows (no key equals NULL).
+fn lower_pieces(keys: &[KeyCol], lo: &[SqlValue], p: &mut Params) -> Vec<Piece> {
+    let mut h = BoundHolders::new(keys, lo);
+    let n = keys.len();
+    let mut out = Vec::new();
+    for i in 0..n {
+        let mut piece = h.prefix(i, p);
+        let col = quote_ident(&keys[i].name);
+        let null_here = lo[i].is_null();
+        piece = if null_here {
+            piece.not_null(keys, i)
+        } else {
+            let v = h.get(i, p);
+            piece.with(i, format!("{col} {} {v}", if i + 1 == n { ">=" } else { ">" }))
+        };
+        for j in i + 1..n {
+            piece = piece.not_null(keys, j);
+        }
+        out.push(piece);
+        if null_here {
+            break;
+        }
+    }
+    out
+}
+
+/// The rows below `hi` with no NULL key column where they are compared:
+/// piece j is `k1 = w1 AND … AND k(j-1) = w(j-1) AND kj < wj`; the pieces
+/// stop at the first NULL component (nothing sorts below NULL).
+fn below_pieces(keys: &[KeyCol], hi: &[SqlValue], p: &mut Params) -> Vec<Piece> {
+    let mut h = BoundHolders::new(keys, hi);
+    let mut out = Vec::new();
+    for j in 0..keys.len() {
+        if hi[j].is_null() {
+            break;
+        }
+        let piece = h.prefix(j, p);
+        let w = h.get(j, p);
+        out.push(piece.with(j, format!("{} < {w}", quote_ident(&keys[j].name))));
+    }
+    out
+}
+
+/// The rows of a range with only an upper bound: those below `hi` and, as
+/// `range_condition` keeps them, every row with a NULL key column. Each row
+/// is in the piece of the first column where it leaves `hi`'s prefix: with
+/// `k1 = w1 AND … AND k(j-1) = w(j-1)`, `kj IS NULL`, `kj < wj`, or
+/// `kj > wj` (`kj IS NOT NULL` when `wj` is NULL) with a NULL in a later
+/// column. The last kind cannot seek past column j (its rows are wherever a
+/// later column is NULL); on NOT NULL columns, a primary key's, its `IS NULL`
+/// tests are contradictions the optimizer removes before the plan is built.
+fn upper_only_pieces(keys: &[KeyCol], hi: &[SqlValue], p: &mut Params) -> Vec<Piece> {
+    let mut h = BoundHolders::new(keys, hi);
+    let n = keys.len();
+    let mut out = Vec::new();
+    for j in 0..n {
+        let prefix = h.prefix(j, p);
+        let col = quote_ident(&keys[j].name);
+        out.push(prefix.clone().with(j, format!("{col} IS NULL")));
+        let later_null = if j + 1 < n {
+            let nulls: Vec<String> = keys[j + 1..].iter().map(|k| format!("{} IS NULL", quote_ident(&k.name))).collect();
+            Some(if nulls.len() == 1 { nulls.join("") } else { format!("({})", nulls.join(" OR ")) })
+        } else {
+            None
+        };
+        if hi[j].is_null() {
+            if let Some(tail) = later_null {
+                let mut piece = prefix.not_null(keys, j);
+                piece.tail = Some(tail);
+                out.push(piece);
+            }
+            break;
+        }
+        let w = h.get(j, p);
+        out.push(prefix.clone().with(j, format!("{col} < {w}")));
+        if let Some(tail) = later_null {
+            let mut piece = prefix.with(j, format!("{col} > {w}"));
+            piece.tail = Some(tail);
+            out.push(piece);
+        }
+    }
+    out
+}
+
+/// A composite key's range cut into pieces that share no row and together
+/// hold exactly the rows [`range_condition`] selects, each a conjunction an
+/// index on the key columns can seek: equalities on a prefix of the columns,
+/// then a range on the next one. With both bounds a piece is a lower piece
+/// and an upper one together (a row in the range is in one of each); its
+/// prefix columns then carry an equality from each bound, of which the seek
+/// uses one and checks the other. None for a piece without a condition (the
+/// whole table). A range no row can be in is the one piece `1 = 0`.
+fn seek_pieces(keys: &[KeyCol], range: &KeyRange, p: &mut Params) -> Result<Vec<Option<String>>, String> {
+    for b in [&range.lo, &range.hi].into_iter().flatten() {
+        if b.len() != keys.len() {
+            return Err(format!("a range bound has {} values for {} key columns", b.len(), keys.len()));
+        }
+    }
+    let pieces: Vec<Piece> = match (&range.lo, &range.hi) {
+        (None, None) => vec![Piece::default()],
+        (Some(lo), None) => lower_pieces(keys, lo, p),
+        (None, Some(hi)) => upper_only_pieces(keys, hi, p),
+        // Nothing sorts below NULL: no row is below a bound that starts with it.
+        (Some(_), Some(hi)) if matches!(hi.first(), None | Some(SqlValue::Null)) => Vec::new(),
+        (Some(lo), Some(hi)) => {
+            let lower = lower_pieces(keys, lo, p);
+            let upper = below_pieces(keys, hi, p);
+            lower.iter().flat_map(|l| upper.iter().map(move |u| l.and(u))).collect()
+        }
+    };
+    if pieces.is_empty() {
+        return Ok(vec![Some("1 = 0".into())]);
+    }
+    Ok(pieces.iter().map(Piece::sql).collect())
 }
 
 /// `sys.sp_spaceused` of the table (its `rows` column is the estimate).
@@ -995,6 +1269,62 @@ mod tests {
         let range = KeyRange { lo: Some(vec![SqlValue::Str("m".into()), SqlValue::Int(5)]), hi: Some(vec![SqlValue::Str("t".into()), SqlValue::Int(0)]) };
         golden("key_seek_composite", &key_seek(&t, &k2, &range, 1000).unwrap());
         assert!(key_seek(&t, &k1, &KeyRange::all(), u64::MAX).is_err());
+        let single = KeyRange { lo: Some(vec![SqlValue::Int(100)]), hi: Some(vec![SqlValue::Int(200)]) };
+        golden("key_seek_single", &key_seek(&t, &k1, &single, 99).unwrap());
+        let k3 = vec![key("region ]x", SqlType::VarChar { len: Some(10) }), key("seq", SqlType::Int), key("id", SqlType::BigInt)];
+        let after = KeyRange { lo: Some(vec![SqlValue::Str("m".into()), SqlValue::Int(5), SqlValue::Int(7)]), hi: None };
+        golden("key_seek_three", &key_seek(&t, &k3, &after, 10).unwrap());
+        let below = KeyRange { lo: None, hi: Some(vec![SqlValue::Str("t".into()), SqlValue::Int(0), SqlValue::Int(3)]) };
+        golden("key_seek_three_below", &key_seek(&t, &k3, &below, 10).unwrap());
+    }
+
+    /// Every key seek, for one to three key columns and bounds with and
+    /// without NULLs, parses as T-SQL; a composite range is one UNION ALL
+    /// branch per piece, and every ORDER BY has the TOP that SQL Server
+    /// requires of an ORDER BY in a derived table (error 1033 without it).
+    #[test]
+    fn key_seek_statements_parse_with_one_top_per_order_by() {
+        let t = odd_table();
+        let all_keys = vec![key("region ]x", SqlType::VarChar { len: Some(10) }), key("seq", SqlType::Int), key("id", SqlType::BigInt)];
+        let values = |width: usize, null_at: Option<usize>| -> Vec<SqlValue> {
+            (0..width).map(|i| if Some(i) == null_at { SqlValue::Null } else if i == 0 { SqlValue::Str("m".into()) } else { SqlValue::Int(i as i64) }).collect()
+        };
+        for width in 1..=3usize {
+            let keys = &all_keys[..width];
+            let mut bounds: Vec<Option<Vec<SqlValue>>> = vec![None, Some(values(width, None))];
+            for i in 0..width {
+                bounds.push(Some(values(width, Some(i))));
+            }
+            for lo in &bounds {
+                for hi in &bounds {
+                    let range = KeyRange { lo: lo.clone(), hi: hi.clone() };
+                    let st = key_seek(&t, keys, &range, 41).unwrap();
+                    if let Err(e) = Parser::parse_sql(&MsSqlDialect {}, &st.sql) {
+                        panic!("sqlparser rejects the seek of {range:?}: {e}\n{}", st.sql);
+                    }
+                    assert_eq!(st.sql.matches("ORDER BY").count(), st.sql.matches("SELECT TOP (").count(), "{}", st.sql);
+                    assert!(st.sql.starts_with("SELECT TOP (1) "), "{}", st.sql);
+                    assert!(st.sql.ends_with(" DESC"), "{}", st.sql);
+                    assert_eq!(st.params[0], SqlValue::Int(42));
+                    let placeholders = (1..=st.params.len()).all(|i| st.sql.contains(&format!("@P{i}")));
+                    assert!(placeholders && !st.sql.contains(&format!("@P{}", st.params.len() + 1)), "every parameter is used: {st}");
+                    let unions = st.sql.matches(" UNION ALL ").count();
+                    if width == 1 {
+                        assert_eq!(unions, 0, "a one-column key stays one statement: {}", st.sql);
+                    } else {
+                        let mut p = Params::default();
+                        let pieces = seek_pieces(keys, &range, &mut p).unwrap();
+                        assert_eq!(unions + 1, pieces.len(), "{}", st.sql);
+                        for w in pieces.iter().flatten() {
+                            // A piece is a conjunction; its only OR is the tail of NULL tests.
+                            assert!(w.split(" OR ").skip(1).all(|term| term.contains(" IS NULL")), "{w}");
+                        }
+                    }
+                }
+            }
+        }
+        let k2 = &all_keys[..2];
+        assert!(key_seek(&t, k2, &KeyRange { lo: Some(vec![SqlValue::Int(1)]), hi: None }, 3).is_err(), "a bound of the wrong width is refused");
     }
 
     /// MAX + 1 of an int key (the last chunk's end) goes out as a bigint
@@ -1068,6 +1398,68 @@ mod tests {
                     let want: std::collections::BTreeSet<i64> =
                         rows.iter().enumerate().filter(|(_, r)| range.contains(&r[..width])).map(|(i, _)| i as i64).collect();
                     assert_eq!(got, want, "range {range:?}\n{}", st.sql);
+                }
+            }
+        }
+    }
+
+    /// The pieces of a composite seek, run on SQLite as in the test above,
+    /// share no row and together hold exactly the rows `KeyRange::contains`
+    /// puts in the range (a row in two pieces would count twice under
+    /// UNION ALL), NULL keys included, for two and three key columns.
+    #[test]
+    fn seek_pieces_partition_the_range() {
+        let db = rusqlite::Connection::open_in_memory().unwrap();
+        db.execute_batch("CREATE TABLE [t x] (rid INTEGER, [a x] INTEGER, [b c] INTEGER, [d] INTEGER)").unwrap();
+        let dom = [None, Some(0i64), Some(1), Some(2)];
+        let as_val = |v: Option<i64>| v.map(SqlValue::Int).unwrap_or(SqlValue::Null);
+        let mut rows = Vec::new();
+        for a in dom {
+            for b in dom {
+                for d in &dom[..3] {
+                    let rid = rows.len() as i64;
+                    db.execute("INSERT INTO [t x] VALUES (?1, ?2, ?3, ?4)", rusqlite::params![rid, a, b, d]).unwrap();
+                    rows.push(vec![as_val(a), as_val(b), as_val(*d)]);
+                }
+            }
+        }
+        let all_keys = vec![key("a x", SqlType::BigInt), key("b c", SqlType::BigInt), key("d", SqlType::BigInt)];
+        for width in [2usize, 3] {
+            let keys = &all_keys[..width];
+            let mut seen = std::collections::BTreeSet::new();
+            let mut bounds: Vec<Option<Vec<SqlValue>>> = vec![None];
+            for r in &rows {
+                if seen.insert(format!("{:?}", &r[..width])) {
+                    bounds.push(Some(r[..width].to_vec()));
+                }
+            }
+            for lo in &bounds {
+                for hi in &bounds {
+                    let range = KeyRange { lo: lo.clone(), hi: hi.clone() };
+                    let mut p = Params::default();
+                    let pieces = seek_pieces(keys, &range, &mut p).unwrap();
+                    let mut got: Vec<i64> = Vec::new();
+                    for piece in &pieces {
+                        let sql = match piece {
+                            Some(w) => format!("SELECT rid FROM [t x] WHERE {w}"),
+                            None => "SELECT rid FROM [t x]".to_string(),
+                        };
+                        let mut q = db.prepare(&sql).unwrap_or_else(|e| panic!("{e}: {sql}"));
+                        for (i, v) in p.0.iter().enumerate() {
+                            if let Some(idx) = q.parameter_index(&format!("@P{}", i + 1)).unwrap() {
+                                let SqlValue::Int(v) = v else { panic!("{v:?}") };
+                                q.raw_bind_parameter(idx, v).unwrap();
+                            }
+                        }
+                        let mut rs = q.raw_query();
+                        while let Some(r) = rs.next().unwrap() {
+                            got.push(r.get::<_, i64>(0).unwrap());
+                        }
+                    }
+                    got.sort_unstable();
+                    let want: Vec<i64> =
+                        rows.iter().enumerate().filter(|(_, r)| range.contains(&r[..width])).map(|(i, _)| i as i64).collect();
+                    assert_eq!(got, want, "range {range:?} (a row twice is in two pieces)\n{pieces:#?}");
                 }
             }
         }
