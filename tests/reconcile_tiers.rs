@@ -76,6 +76,9 @@ impl CdcSource for Spy {
     async fn null_count(&self, t: &TableName, key: &str, iso: Isolation) -> Result<u64, SourceError> {
         self.inner.null_count(t, key, iso).await
     }
+    async fn slice_extent(&self, t: &TableName, key: &str, lo: i64, hi: i64, iso: Isolation) -> Result<Option<(i64, i64)>, SourceError> {
+        self.inner.slice_extent(t, key, lo, hi, iso).await
+    }
     async fn bucket_sums(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64, i128)>, SourceError> {
         self.inner.bucket_sums(t, key, lo, hi, width, iso).await
     }
