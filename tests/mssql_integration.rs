@@ -177,6 +177,8 @@ async fn every_method_against_a_server() {
     let counts = src.slice_counts(&table, "id", 1, 105, 10, rc).await.unwrap();
     assert_eq!(counts.iter().map(|c| c.1).sum::<u64>(), 49);
     assert_eq!(counts[0], (1, 8)); // 1..10 less 5 (now 105) and 7 (deleted)
+    assert_eq!(src.slice_extent(&table, "id", 1, 10, rc).await.unwrap(), Some((1, 10)));
+    assert_eq!(src.slice_extent(&table, "id", 5, 7, rc).await.unwrap(), Some((6, 6)));
     assert_eq!(src.key_seek(&table, &keys, &KeyRange::all(), 0, rc).await.unwrap(), Some(vec![SqlValue::Int(1)]));
     let k1 = src.key_seek(&table, &keys, &KeyRange::all(), 15, rc).await.unwrap().unwrap();
     let k2 = src.key_seek(&table, &keys, &KeyRange { lo: Some(k1.clone()), hi: None }, 15, rc).await.unwrap().unwrap();

@@ -682,6 +682,10 @@ impl KeyCounter for SourceKeys {
         self.source.slice_counts(&self.table, &self.keys[0], lo, hi, width, self.isolation).await
     }
 
+    async fn extent(&self, lo: i64, hi: i64) -> Result<Option<(i64, i64)>, SourceError> {
+        self.source.slice_extent(&self.table, &self.keys[0], lo, hi, self.isolation).await
+    }
+
     async fn null_rows(&self) -> Result<u64, SourceError> {
         self.source.null_count(&self.table, &self.keys[0], self.isolation).await
     }

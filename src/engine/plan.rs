@@ -1,9 +1,10 @@
 //! Chunk plans of chunked snapshots (adr-0028's Amendment), as pure functions.
 //!
 //! One integer key is planned from row counts per slice of a grid: slices
-//! holding more than `chunk_rows` are counted again on a finer grid (down to
-//! one value), then consecutive non-empty slices are packed, in key order,
-//! into chunks of at most `chunk_rows` rows. Sizes follow the counts, not the
+//! holding more than `chunk_rows` are probed for the values they really hold
+//! (MIN and MAX, one statement) and counted again on a finer grid over that
+//! extent (down to one value), then consecutive non-empty slices are packed,
+//! in key order, into chunks of at most `chunk_rows` rows. Sizes follow the counts, not the
 //! key's spread: a dense cluster is split, a sparse region or a far sentinel
 //! joins its neighbours, and no chunk starts on an empty slice.
 //!
@@ -73,7 +74,8 @@ pub struct IntChunk {
 }
 
 /// The slices that must be counted again on a finer grid: more rows than a
-/// chunk holds, and more than one value wide.
+/// chunk holds, and more than one value wide. [`plan_integer`] probes each
+/// one's real MIN and MAX first ([`KeyCounter::extent`]) and grids over them.
 pub fn slices_to_refine(slices: &[Slice], chunk_rows: u64) -> Vec<Slice> {
     slices.iter().filter(|s| s.rows > chunk_rows && s.width > 1).copied().collect()
 }
@@ -132,6 +134,11 @@ pub trait KeyCounter: Send + Sync {
 
     /// Rows whose key is NULL (the source's `null_count`).
     async fn null_rows(&self) -> Result<u64, SourceError>;
+
+    /// The smallest and largest value held in `[lo, hi]` (inclusive), or None
+    /// when no row's value is in it (the source's `slice_extent`: one
+    /// `MIN`/`MAX` statement).
+    async fn extent(&self, lo: i64, hi: i64) -> Result<Option<(i64, i64)>, SourceError>;
 }
 
 /// Seeks keys (the source's `key_seek`).
@@ -165,6 +172,16 @@ fn ceil_div(a: u128, b: u128) -> u128 {
 /// of about 16 slices per chunk (sized from `row_estimate`), every slice
 /// holding more than `chunk_rows` counted again on a finer grid over its own
 /// values, down to one value, then packed after the NULL keys' rows.
+///
+/// adr-0028: the finer grid spans the slice's actual MIN..MAX, probed from
+/// the source ([`KeyCounter::extent`]) before it is counted again, not the
+/// slice's grid bounds. A sparse slice (a narrow cluster inside a slice of a
+/// grid stretched by a far sentinel) is then split in one recount instead of
+/// one recount per factor of 16 or more that the slice is wider than it; a slice
+/// whose MIN is its MAX holds one value and is not counted again. The slices
+/// still tile the key: a probed slice holds no value between its grid start
+/// and its MIN, nor between its MAX and its grid end, so moving its first
+/// sub-slice's start up to MIN changes no chunk's rows.
 pub async fn plan_integer(counter: &dyn KeyCounter, min: i64, max: i64, chunk_rows: u64, row_estimate: u64) -> Result<Vec<IntChunk>, SourceError> {
     let chunk_rows = chunk_rows.max(1);
     let span = (max as i128 - min as i128 + 1) as u128;
@@ -179,9 +196,17 @@ pub async fn plan_integer(counter: &dyn KeyCounter, min: i64, max: i64, chunk_ro
             let slice = Slice { start, width: width as i128, rows };
             if rows > chunk_rows && width > 1 {
                 let end = (start as i128 + width as i128 - 1).min(hi as i128) as i64;
-                let sub_span = (end as i128 - start as i128 + 1) as u128;
-                let sub_slices = (SLICES_PER_CHUNK as u128 * ceil_div(rows as u128, chunk_rows as u128)).clamp(2, MAX_SLICES_PER_QUERY as u128);
-                todo.push((start, end, ceil_div(sub_span, sub_slices).max(1)));
+                match counter.extent(start, end).await? {
+                    // Emptied since it was counted (a writer under READ COMMITTED): nothing there to plan.
+                    None => {}
+                    // One value: a chunk of its own, however many rows hold it.
+                    Some((first, last)) if first >= last => done.push(Slice { start: first, width: 1, rows }),
+                    Some((first, last)) => {
+                        let sub_span = (last as i128 - first as i128 + 1) as u128;
+                        let sub_slices = (SLICES_PER_CHUNK as u128 * ceil_div(rows as u128, chunk_rows as u128)).clamp(2, MAX_SLICES_PER_QUERY as u128);
+                        todo.push((first, last, ceil_div(sub_span, sub_slices).max(1)));
+                    }
+                }
             } else if rows > 0 {
                 done.push(slice);
             }
@@ -338,6 +363,13 @@ mod tests {
             Ok(0)
         }
 
+        async fn extent(&self, lo: i64, hi: i64) -> Result<Option<(i64, i64)>, SourceError> {
+            let mut held = self.0.range(lo..=hi).filter(|(_, n)| **n > 0).map(|(v, _)| *v);
+            let first = held.next();
+            let last = held.last().or(first);
+            Ok(first.zip(last))
+        }
+
         async fn count(&self, lo: i64, hi: i64, width: i64) -> Result<Vec<(i64, u64)>, SourceError> {
             let mut out: BTreeMap<i64, u64> = BTreeMap::new();
             for (v, n) in self.0.range(lo..=hi) {
@@ -450,6 +482,9 @@ mod tests {
         }
         async fn null_rows(&self) -> Result<u64, SourceError> {
             Ok(self.1)
+        }
+        async fn extent(&self, lo: i64, hi: i64) -> Result<Option<(i64, i64)>, SourceError> {
+            Counts(self.0.clone()).extent(lo, hi).await
         }
     }
 
@@ -761,17 +796,18 @@ mod tests {
         }
     }
 
-    /// An integer column that records every count it is asked for, and how
-    /// often its NULLs are counted.
+    /// An integer column that records every count it is asked for, every
+    /// extent probe, and how often its NULLs are counted.
     struct LoggedCounts {
         table: Counts,
         calls: std::sync::Mutex<Vec<(i64, i64, i64, Vec<(i64, u64)>)>>,
+        extents: std::sync::Mutex<Vec<(i64, i64, Option<(i64, i64)>)>>,
         null_calls: std::sync::atomic::AtomicUsize,
     }
 
     impl LoggedCounts {
         fn new(values: BTreeMap<i64, u64>) -> LoggedCounts {
-            LoggedCounts { table: Counts(values), calls: Default::default(), null_calls: Default::default() }
+            LoggedCounts { table: Counts(values), calls: Default::default(), extents: Default::default(), null_calls: Default::default() }
         }
     }
 
@@ -786,6 +822,12 @@ mod tests {
         async fn null_rows(&self) -> Result<u64, SourceError> {
             self.null_calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             Ok(0)
+        }
+
+        async fn extent(&self, lo: i64, hi: i64) -> Result<Option<(i64, i64)>, SourceError> {
+            let out = self.table.extent(lo, hi).await?;
+            self.extents.lock().unwrap().push((lo, hi, out));
+            Ok(out)
         }
     }
 
@@ -813,6 +855,101 @@ mod tests {
             assert!(inside_an_over_full_slice, "count {j} over [{lo}, {hi}] is not a recount of an over-full slice: {calls:?}");
         }
         assert_eq!(chunks.iter().map(|c| c.rows).sum::<u64>(), 1290);
+    }
+
+    #[test]
+    fn an_over_full_slice_is_recounted_on_a_grid_over_its_real_min_and_max() {
+        // 28.55. A sparse, skewed key: 1,000 rows on 1e12..1e12+999 (one each) and a sentinel near BIGINT's max.
+        // The first grid's slices are ~5.2e16 wide, so the band, 1,000 values wide, fills a sliver of the first one.
+        //
+        // By hand, adr-0028's algorithm: 16 * ceil(1001 / 100) = 176 slices wanted over [1e12, MAX - 5], width
+        // ceil(9223371036854775803 / 176) = 52405517254856681. Slice 1e12 holds 1,000 rows (> 100): its MIN and
+        // MAX are probed, 1e12 and 1e12 + 999, and that span of 1,000 is counted again with
+        // 16 * ceil(1000 / 100) = 160 slices, width ceil(1000 / 160) = 7: 142 slices of 7 rows and one of 6, none
+        // over-full. Two GROUP BY rounds and one probe.
+        //
+        // Fails against the old planner, which re-gridded the slice's grid bounds [1e12, 1e12 + 52405517254856680]
+        // in 160 slices each round: the band stays in the first sub-slice while the width is at least 1,000, so it
+        // counted widths 327534482842855, 2047090517768, 12794315737, 79964474, 499778, 3124 and 20: eight GROUP BY
+        // rounds (and no probe), where this asserts two.
+        const OLD_COUNT_ROUNDS: usize = 8;
+        let band = 1_000_000_000_000i64;
+        let sentinel = i64::MAX - 5;
+        let mut values: BTreeMap<i64, u64> = (band..band + 1000).map(|k| (k, 1)).collect();
+        values.insert(sentinel, 1);
+        let total: u64 = values.values().sum();
+        let counter = LoggedCounts::new(values.clone());
+        let chunks = block(plan_integer(&counter, band, sentinel, 100, total)).unwrap();
+        let calls: Vec<(i64, i64, i64)> = counter.calls.lock().unwrap().iter().map(|c| (c.0, c.1, c.2)).collect();
+        let extents = counter.extents.lock().unwrap().clone();
+        assert_eq!(calls, vec![(band, sentinel, 52_405_517_254_856_681), (band, band + 999, 7)], "GROUP BY rounds");
+        assert!(calls.len() < OLD_COUNT_ROUNDS);
+        assert_eq!(extents, vec![(band, band + 52_405_517_254_856_680, Some((band, band + 999)))], "one probe, of the over-full slice");
+        assert_eq!(counter.null_calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+        // Still exact: each chunk's rows are the rows its bounds hold (counted here from the table), at most 100,
+        // and every value is in exactly one chunk. 14 slices of 7 fill a chunk to 98; the last holds 7 + 7 + 6 and
+        // the sentinel.
+        for c in &chunks {
+            let held: u64 = values.iter().filter(|(k, _)| c.lo.is_none_or(|lo| **k >= lo) && c.hi.is_none_or(|hi| **k < hi)).map(|(_, n)| n).sum();
+            assert_eq!(c.rows, held, "{c:?}");
+            assert!(held > 0 && held <= 100, "{c:?} holds {held}");
+        }
+        for k in values.keys() {
+            assert_eq!(chunk_of(&chunks, Some(*k)).len(), 1, "value {k}");
+        }
+        let mut want = vec![98u64; 10];
+        want.push(21);
+        assert_eq!(chunks.iter().map(|c| c.rows).collect::<Vec<_>>(), want);
+        assert_eq!(chunks[1].lo, Some(band + 98), "bounds sit on the probed grid from MIN");
+        assert_eq!(chunks.last().unwrap().hi, Some(sentinel + 1));
+    }
+
+    #[test]
+    fn a_probed_slice_of_one_value_is_not_counted_again() {
+        // 28.55. 300 rows of one value inside a wide slice: the probe finds MIN = MAX, so the slice is that value
+        // alone, a chunk of its own, without a recount. Fails against the old planner, which re-gridded the slice
+        // down to width 1 (widths 324, 7, 1: four GROUP BY rounds).
+        let values: BTreeMap<i64, u64> = [(5_000, 300), (1_000_000, 1)].into_iter().collect();
+        let counter = LoggedCounts::new(values);
+        let chunks = block(plan_integer(&counter, 5_000, 1_000_000, 100, 301)).unwrap();
+        // By hand: 16 * ceil(301 / 100) = 64 slices over 995,001 values, width ceil(995001 / 64) = 15547; slice
+        // [5000, 20546] holds the 300 rows of 5,000, and 1,000,000 is in the slice from 5000 + 63 * 15547 = 984461.
+        assert_eq!(counter.calls.lock().unwrap().len(), 1, "one GROUP BY, no recount");
+        assert_eq!(counter.extents.lock().unwrap().clone(), vec![(5_000, 20_546, Some((5_000, 5_000)))]);
+        assert_eq!(
+            chunks,
+            vec![IntChunk { lo: None, hi: Some(984_461), rows: 300 }, IntChunk { lo: Some(984_461), hi: Some(1_000_001), rows: 1 }]
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn probed_integer_plans_tile_any_key_exactly(
+            keys in proptest::collection::vec((prop_oneof![-5000i64..5000, any::<i64>(), Just(i64::MAX), Just(i64::MIN)], 1u64..40), 1..200),
+            chunk_rows in 1u64..150,
+            nulls in prop_oneof![Just(0u64), 1u64..300],
+            estimate in 0u64..20_000,
+        ) {
+            // 28.55. Catches a recount over the probed MIN..MAX that leaves a value out (a grid from MIN stopping
+            // short of MAX, a first sub-slice moved past a value) or counts one twice, on keys spread over BIGINT.
+            let values: BTreeMap<i64, u64> = keys.into_iter().collect();
+            let (min, max) = (*values.keys().next().unwrap(), *values.keys().last().unwrap());
+            let chunks = block(plan_integer(&NullableCounts(values.clone(), nulls), min, max, chunk_rows, estimate)).unwrap();
+            for v in values.keys() {
+                prop_assert_eq!(chunk_of(&chunks, Some(*v)).len(), 1, "value {}", v);
+            }
+            prop_assert_eq!(chunk_of(&chunks, None), vec![0]);
+            for (i, c) in chunks.iter().enumerate() {
+                let held: Vec<(i64, u64)> =
+                    values.iter().filter(|(k, _)| c.lo.is_none_or(|lo| **k >= lo) && c.hi.is_none_or(|hi| **k < hi)).map(|(k, n)| (*k, *n)).collect();
+                let null_rows = if i == 0 { nulls } else { 0 };
+                prop_assert_eq!(c.rows, held.iter().map(|(_, n)| n).sum::<u64>() + null_rows, "{:?}", c);
+                prop_assert!(c.rows > 0);
+                let distinct = held.len() + usize::from(null_rows > 0);
+                prop_assert!(c.rows <= chunk_rows || distinct == 1, "{:?} holds {} values", c, distinct);
+            }
+            prop_assert_eq!(chunks.last().unwrap().hi, i64::try_from(max as i128 + 1).ok());
+        }
     }
 
     #[test]

@@ -1069,6 +1069,15 @@ impl CdcSource for MssqlSource {
             .collect()
     }
 
+    async fn slice_extent(&self, table: &TableName, key: &str, lo: i64, hi: i64, isolation: Isolation) -> Result<Option<(i64, i64)>, SourceError> {
+        if lo > hi {
+            return Ok(None);
+        }
+        let rows = self.rows(&sql::slice_extent(table, key, lo, hi), isolation).await?;
+        let Some(r) = rows.first() else { return Ok(None) };
+        Ok(convert::row_i64(r, 0)?.zip(convert::row_i64(r, 1)?))
+    }
+
     async fn null_count(&self, table: &TableName, key: &str, isolation: Isolation) -> Result<u64, SourceError> {
         let rows = self.rows(&sql::null_count(table, key), isolation).await?;
         let n = match rows.first() {

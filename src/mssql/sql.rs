@@ -588,6 +588,23 @@ pub fn slice_counts(table: &TableName, key: &str, lo: i64, hi: i64, width: i64) 
     )
 }
 
+/// The smallest and largest value of an integer column in `[lo, hi]`, the
+/// bounds compared as BIGINT parameters as `slice_counts` compares them (one
+/// over-full slice's real extent, probed before it is counted again). One
+/// row; both NULL when no value is in the range. Columns: lo, hi (bigint).
+pub fn slice_extent(table: &TableName, key: &str, lo: i64, hi: i64) -> Statement {
+    let mut p = Params::default();
+    let (lo_p, hi_p) = (p.bind(SqlValue::Int(lo)), p.bind(SqlValue::Int(hi)));
+    let k = quote_ident(key);
+    Statement::new(
+        format!(
+            "SELECT CAST(MIN({k}) AS bigint) AS lo, CAST(MAX({k}) AS bigint) AS hi FROM {t} WHERE {k} BETWEEN {lo_p} AND {hi_p}",
+            t = quote_table(table),
+        ),
+        p.0,
+    )
+}
+
 /// The rows whose key column is NULL (they belong to the first chunk of a
 /// plan; `slice_counts`'s BETWEEN leaves them out). Column: n.
 pub fn null_count(table: &TableName, key: &str) -> Statement {
@@ -1257,6 +1274,7 @@ mod tests {
         golden("slice_counts", &slice_counts(&t, "id ]", i64::MIN, i64::MAX, 1 << 40));
         golden("bucket_sums", &bucket_sums(&t, "id ]", -10, 1_000, 100));
         golden("null_count", &null_count(&t, "id ]"));
+        golden("slice_extent", &slice_extent(&t, "id ]", -5, i64::MAX));
         golden("key_seek_first", &key_seek(&t, &k1, &KeyRange::all(), 0).unwrap());
         let pairs = vec![
             (vec![SqlValue::Str("abc".into()), SqlValue::Int(1)], vec![SqlValue::Str("ABC".into()), SqlValue::Int(2)]),

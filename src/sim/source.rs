@@ -811,6 +811,57 @@ impl CdcSource for SimSource {
         .await
     }
 
+    async fn slice_extent(&self, table: &TableName, key: &str, lo: i64, hi: i64, isolation: Isolation) -> Result<Option<(i64, i64)>, SourceError> {
+        let (name, key) = (table.clone(), key.to_string());
+        self.call(move |c, p, cfg| {
+            check_isolation(cfg, isolation, p)?;
+            let tx = c.transaction().map_err(sql_err(p))?;
+            let t = self::table(&tx, p, &name)?;
+            let pos = key_positions(&t, std::slice::from_ref(&key))?[0];
+            if !t.spec.columns[pos].sql_type.is_integer() {
+                return Err(SourceError::Config(format!("column '{key}' of {} is not an integer column", t.spec.name)));
+            }
+            if hi < lo {
+                return Ok(None);
+            }
+            if t.key_cols.first() == Some(&pos) {
+                // The leading key column: the first and the last index key in [lo, hi], as a seek each way.
+                let ty = &t.spec.columns[pos].sql_type;
+                let from = keys::encode_key(&[keys::KeyCol::plain(ty.clone())], &[SqlValue::Int(lo)]);
+                let to = keys::prefix_successor(&keys::encode_key(&[keys::KeyCol::plain(ty.clone())], &[SqlValue::Int(hi)]));
+                let end = |dir: &str| -> Result<Option<i64>, SourceError> {
+                    let sk: Option<Vec<u8>> = tx
+                        .query_row(
+                            &format!("SELECT sk FROM rows WHERE table_id = ?1 AND sk >= ?2 AND (?3 IS NULL OR sk < ?3) ORDER BY sk {dir} LIMIT 1"),
+                            params![t.id, from, to],
+                            |r| r.get(0),
+                        )
+                        .optional()
+                        .map_err(sql_err(p))?;
+                    Ok(sk.and_then(|sk| keys::decode_leading_int(&sk)))
+                };
+                let (first, last) = (end("ASC")?, end("DESC")?);
+                return Ok(first.zip(last));
+            }
+            // Any other column: every row's own value.
+            let mut ext: Option<(i64, i64)> = None;
+            let plan = RangePlan { lo: vec![], hi: None, exact: false, ordered: false };
+            scan_rows(&tx, p, &t, &plan, |row| {
+                if let SqlValue::Int(v) = row[pos] {
+                    if v >= lo && v <= hi {
+                        ext = Some(match ext {
+                            None => (v, v),
+                            Some((a, b)) => (a.min(v), b.max(v)),
+                        });
+                    }
+                }
+                Ok(true)
+            })?;
+            Ok(ext)
+        })
+        .await
+    }
+
     async fn null_count(&self, table: &TableName, key: &str, isolation: Isolation) -> Result<u64, SourceError> {
         let (name, key) = (table.clone(), key.to_string());
         self.call(move |c, p, cfg| {

@@ -447,6 +447,13 @@ async fn ranges_tile_the_table() {
     assert_eq!(slices, vec![(1, 300), (301, 300), (601, 300), (901, 100)]);
     let slices = src.slice_counts(&orders(), "id", 950, 2000, 25, Isolation::ReadCommitted).await.unwrap();
     assert_eq!(slices, vec![(950, 25), (975, 25), (1000, 1)]);
+    // An over-full slice's real extent (the integer planner's probe), from the index keys.
+    let rc = Isolation::ReadCommitted;
+    assert_eq!(src.slice_extent(&orders(), "id", 950, 2000, rc).await.unwrap(), Some((950, 1000)));
+    assert_eq!(src.slice_extent(&orders(), "id", -5, 1, rc).await.unwrap(), Some((1, 1)));
+    assert_eq!(src.slice_extent(&orders(), "id", 1001, i64::MAX, rc).await.unwrap(), None);
+    assert_eq!(src.slice_extent(&orders(), "id", 10, 9, rc).await.unwrap(), None);
+    assert!(matches!(src.slice_extent(&orders(), "customer", 0, 10, rc).await, Err(SourceError::Config(_))));
     assert_eq!(src.row_estimate(&orders()).await.unwrap(), 1000);
 }
 
@@ -709,6 +716,11 @@ async fn heaps_unique_indexes_rate_limits_and_auto_cleanup() {
     let (b, err) = collect(src.snapshot_read(&read(&heap, vec!["a".into()])).await.unwrap()).await;
     assert!(err.is_none());
     assert_eq!(b.iter().map(|b| b.num_rows()).sum::<usize>(), 2);
+    // A heap has no index keys: the extent is read from the rows, (1, x) and (2, y).
+    let rc = Isolation::ReadCommitted;
+    assert_eq!(src.slice_extent(&heap, "a", 0, 10, rc).await.unwrap(), Some((1, 2)));
+    assert_eq!(src.slice_extent(&heap, "a", 2, 10, rc).await.unwrap(), Some((2, 2)));
+    assert_eq!(src.slice_extent(&heap, "a", 3, 10, rc).await.unwrap(), None);
     let max = src.max_lsn().await.unwrap().unwrap();
     let rows = changes(&src, &hci, hci.start_lsn.unwrap(), max, RowFilter::AllUpdateOld).await;
     assert_eq!(rows.iter().map(|r| r.op).collect::<Vec<_>>(), vec![2, 2, 2, 3, 4, 1]);

@@ -434,6 +434,17 @@ pub trait CdcSource: Send + Sync {
         isolation: Isolation,
     ) -> Result<Vec<(i64, u64)>, SourceError>;
 
+    /// The smallest and largest value of one integer column among the rows
+    /// whose value is in `[lo, hi]` (inclusive, compared as BIGINT, as
+    /// [`CdcSource::slice_counts`] bounds its slices), as (MIN, MAX); None
+    /// when no row's value is in the range (`lo > hi` included). NULLs are
+    /// outside every range. One statement on the server (`SELECT MIN, MAX ...
+    /// WHERE key BETWEEN lo AND hi`), read under `isolation`. The integer
+    /// planner probes an over-full slice with it before counting the slice
+    /// again, so the finer grid spans the values the slice really holds
+    /// (adr-0028's `key_range`).
+    async fn slice_extent(&self, table: &TableName, key: &str, lo: i64, hi: i64, isolation: Isolation) -> Result<Option<(i64, i64)>, SourceError>;
+
     /// The number of rows whose `key` column is NULL (`COUNT_BIG(*)` with
     /// `[key] IS NULL`). An integer chunk plan counts them into its first
     /// chunk, the one range that reads NULL keys; `slice_counts` never sees them.

@@ -564,6 +564,9 @@ impl<H: Hooks + 'static> CdcSource for Wrapped<H> {
     async fn slice_counts(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64)>, SourceError> {
         self.inner.slice_counts(t, key, lo, hi, width, iso).await
     }
+    async fn slice_extent(&self, t: &TableName, key: &str, lo: i64, hi: i64, iso: Isolation) -> Result<Option<(i64, i64)>, SourceError> {
+        self.inner.slice_extent(t, key, lo, hi, iso).await
+    }
     async fn null_count(&self, t: &TableName, key: &str, iso: Isolation) -> Result<u64, SourceError> {
         self.inner.null_count(t, key, iso).await
     }
