@@ -502,3 +502,102 @@ async fn a_table_without_a_unique_index_is_a_heap_refused_without_before_images(
     assert_eq!((r.action.as_str(), r.rows_upserted), ("rebuild", 30), "{r:?}");
     assert_clean(&reconcile(&s).await.unwrap());
 }
+
+/// While a wave's chunk is read, a delete of one of its rows is streamed
+/// and applied (silver never had the key: nothing to delete). Then the wave
+/// commits with the row it read before the delete.
+struct DeleteDuringTheRead {
+    wf_path: std::path::PathBuf,
+    db_path: std::path::PathBuf,
+    done: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl common::Hooks for DeleteDuringTheRead {
+    async fn snapshot_read(
+        &self,
+        inner: &mssql_cdc::source::SharedSource,
+        read: &mssql_cdc::source::SnapshotRead,
+    ) -> Result<mssql_cdc::source::BatchStream, mssql_cdc::source::SourceError> {
+        use futures::StreamExt;
+        let batches: Vec<_> = inner.snapshot_read(read).await?.collect().await;
+        if read.range.contains(&[SqlValue::Int(5)]) && !self.done.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            let db = mssql_cdc::sim::SimDb::open(&self.db_path).unwrap();
+            let table = mssql_cdc::source::TableName::new("dbo", "items");
+            db.transaction(|tx| tx.delete(&table, &vec![SqlValue::Int(5)])).unwrap();
+            db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
+            db.capture().unwrap();
+            let wf = mssql_cdc::workflow::Workflow::load(&self.wf_path).unwrap();
+            for _ in 0..100 {
+                let mut ctx = mssql_cdc::engine::Context::open(wf.clone()).await.unwrap();
+                if mssql_cdc::engine::stream::run(&mut ctx).await.unwrap().caught_up {
+                    break;
+                }
+            }
+            let mut ctx = mssql_cdc::engine::Context::open(wf).await.unwrap();
+            let r = apply::run(&mut ctx).await.unwrap();
+            assert_eq!(r.action, "changes", "the delete is applied before the wave is: {r:?}");
+        }
+        Ok(futures::stream::iter(batches).boxed())
+    }
+}
+
+/// adr-0028: each chunk row is merged with the changes after S *of its own
+/// key* (28.26). A wave's MERGE source holds its chunk rows, the changes
+/// silver has not applied, and the applied changes after S of the chunk
+/// rows' keys — not every change after S of every key, which grew with the
+/// snapshot's age (on the old code this wave's source held the ten keys
+/// changed in the last chunk's range too: 30 rows, not 20). And a delete
+/// applied before its chunk's wave still outranks the row the chunk read
+/// before it: without the chunk keys' applied changes in the source, key 5
+/// would come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waves_merge_reads_its_own_keys_changes_not_every_change_since_s() {
+    let _fp = fail::FailScenario::setup();
+    let s = Scenario::new(60, CHUNKED);
+    s.stream().await.unwrap(); // opens at S
+    // Ten updates each of the last chunk's keys, streamed and applied
+    // before any wave: changes after S that no early wave needs.
+    let table = s.table.clone();
+    for v in 1..=10 {
+        s.db.transaction(|tx| {
+            for id in 51..=60 {
+                tx.update(&table, &vec![SqlValue::Int(id)], common::item_row(id, v))?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+    s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
+    s.db.capture().unwrap();
+    s.stream_until_caught_up().await;
+    let r = apply(&s).await.unwrap();
+    assert_eq!(r.action, "changes", "{r:?}");
+    // Wave 0: chunks 0 and 1 (keys 1..=20); key 5 is deleted, streamed and
+    // applied while the wave is read.
+    let hooks = DeleteDuringTheRead { wf_path: s.wf_path.clone(), db_path: s.path().join("source.sqlite"), done: Default::default() };
+    let mut ctx = s.context().await.unwrap();
+    ctx.source = std::sync::Arc::new(common::Wrapped::new(ctx.source.clone(), hooks));
+    let b = chunked::backfill(&mut ctx, &BackfillArgs { max_waves: Some(1), ..Default::default() }).await.unwrap();
+    assert_eq!(b.waves, 1, "{b:?}");
+    let r = apply(&s).await.unwrap();
+    assert_eq!(r.action, "waves", "{r:?}");
+    // 20 keys: 19 chunk rows and key 5's delete, which outranks its row.
+    assert_eq!(r.source_rows, Some(20), "the wave's source holds its own keys only: {r:?}");
+    let ids = silver_ids(&s).await;
+    assert!(!ids.contains(&5), "key 5, deleted after its chunk was read, came back with the wave: {ids:?}");
+    assert!((1..=20).filter(|i| *i != 5).all(|i| ids.contains(&i)), "{ids:?}");
+    // To the end: silver is the table.
+    loop {
+        let b = one_wave(&s).await;
+        s.stream_until_caught_up().await;
+        apply(&s).await.unwrap();
+        if b.done {
+            break;
+        }
+    }
+    s.stream_until_caught_up().await;
+    apply(&s).await.unwrap();
+    assert_eq!(silver_ids(&s).await, source_ids(&s).await);
+    assert_clean(&reconcile(&s).await.unwrap());
+}
