@@ -24,6 +24,8 @@ mod lock_wait;
 mod mssql_integration;
 #[path = "reconcile_tiers.rs"]
 mod reconcile_tiers;
+#[path = "records_last.rs"]
+mod records_last;
 #[path = "records_lock.rs"]
 mod records_lock;
 #[path = "records_more.rs"]
