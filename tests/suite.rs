@@ -34,6 +34,8 @@ mod records_more;
 mod records_rules;
 #[path = "records_untested.rs"]
 mod records_untested;
+#[path = "records_waves.rs"]
+mod records_waves;
 #[path = "rename.rs"]
 mod rename;
 #[path = "seed.rs"]

@@ -54,11 +54,14 @@
 //! readable: the next wave number is the largest of the three txn versions.
 //!
 //! Waves read ahead: once a wave is read (its rows already written to data
-//! files by the readers, so no rows wait in memory), its commits run in a
-//! task of their own while the next wave is stamped and read. The next
-//! wave's commits start only after the previous ones finished, so bronze
-//! takes waves in order and at most the last committed wave can lack its
-//! facts rows after a crash, which the next call rebuilds first.
+//! files by the readers, so no rows wait in memory), its commits run while
+//! the next wave is stamped and read. The next wave's commits start only
+//! after the previous ones finished, so bronze takes waves in order and at
+//! most the last committed wave can lack its facts rows after a crash, which
+//! the next call rebuilds first. The read-ahead is one wave (adr-0028
+//! Amendment 3): no more than two waves are uncommitted at once, the one
+//! committing and the one being read, so a reader that would stamp a third
+//! waits for the commit (`MAX_UNCOMMITTED_WAVES`).
 //!
 //! Capture-instance switches: chunks are read with the columns of the
 //! instance the stream is on (as the facts record it), and a wave whose stamp
@@ -99,6 +102,15 @@ pub const EVENT_SNAPSHOT_CHUNK: &str = "snapshot_chunk";
 /// Data files are closed at this size, so a reader holds at most one file's
 /// encoded rows in memory whatever the chunk's size.
 const TARGET_FILE_BYTES: u64 = 64 * 1024 * 1024;
+
+/// Waves a call may have stamped and not yet committed (adr-0028 Amendment
+/// 3: "at most one wave reads while one commits"). A reader that finds the
+/// queue empty starts no wave while this many are uncommitted: it waits for
+/// the oldest one's commit. So a chunk of wave n + 2 is never read before
+/// wave n is committed (bronze, plans and facts rows), a crash loses at most
+/// the two waves' reads, and `--max-seconds` is passed by at most the wave
+/// being read and the commit under way.
+const MAX_UNCOMMITTED_WAVES: u32 = 2;
 
 /// The snapshot modes of `snapshot_open` rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -358,7 +370,7 @@ pub struct ChunkPayload {
     /// None where the chunk is rebuilt from a commit rather than read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub read_bytes: Option<i64>,
-    /// Rounds of `parallelism` chunks in the wave (its pace is read_ms / rounds).
+    /// Rounds of `parallelism` chunks in the wave (its pace: [`round_pace`]).
     pub rounds: u32,
     pub bronze_version: Option<i64>,
     /// A heap's chunk only: the fence of its read (`CdcSource::snapshot_read_fenced`),
@@ -414,7 +426,8 @@ pub struct Progress {
     /// chunk -> rows, of every chunk a facts row records.
     pub done: BTreeMap<i64, i64>,
     pub last_wave: Option<i64>,
-    /// The pace of the newest wave: its slowest chunk's read, in seconds.
+    /// The pace per round of the newest wave with read times, in seconds:
+    /// [`round_pace`] of its slowest chunk's read, its bronze append and its rounds.
     pub pace_round_seconds: Option<f64>,
     pub waves: BTreeSet<i64>,
 }
@@ -423,7 +436,8 @@ pub struct Progress {
 pub fn progress(rows: &[FactRow], s: Lsn) -> Progress {
     let mut p = Progress::default();
     let hex = s.to_hex();
-    let mut newest: Option<(i64, f64)> = None;
+    // The newest wave with read times: (wave, slowest read s, append s, rounds).
+    let mut newest: Option<(i64, f64, f64, u32)> = None;
     for r in rows.iter().filter(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_CHUNK)) {
         let Some(d) = &r.detail else { continue };
         if d.get("snapshot").and_then(Value::as_str) != Some(hex.as_str()) {
@@ -433,18 +447,40 @@ pub fn progress(rows: &[FactRow], s: Lsn) -> Progress {
         p.done.insert(chunk, r.rows.unwrap_or(0));
         p.waves.insert(wave);
         p.last_wave = p.last_wave.max(Some(wave));
-        // A round's pace is its slowest chunk's read: each connection reads one chunk a round.
+        // A round's read is the wave's slowest chunk (each connection reads
+        // one chunk a round); the append is the wave's, the same on each of its
+        // rows (absent on rows written before it was recorded: 0).
         if let Some(ms) = r.duration_ms {
-            let secs = ms as f64 / 1000.0;
-            match newest {
-                Some((w, best)) if w == wave => newest = Some((w, best.max(secs))),
-                Some((w, _)) if w > wave => {}
-                _ => newest = Some((wave, secs)),
-            }
+            let read = ms as f64 / 1000.0;
+            let append = d.get("append_ms").and_then(Value::as_i64).unwrap_or(0).max(0) as f64 / 1000.0;
+            let rounds = d.get("rounds").and_then(Value::as_u64).unwrap_or(1).clamp(1, u32::MAX as u64) as u32;
+            newest = match newest {
+                Some((w, r0, a0, n0)) if w == wave => Some((w, r0.max(read), a0.max(append), n0.max(rounds))),
+                Some((w, ..)) if w > wave => newest,
+                _ => Some((wave, read, append, rounds)),
+            };
         }
     }
-    p.pace_round_seconds = newest.map(|(_, s)| s);
+    p.pace_round_seconds = newest.map(|(_, read, append, rounds)| round_pace(read, append, rounds));
     p
+}
+
+/// The pace per round of a committed wave, from its facts rows, which sizes
+/// a call's first wave (pure). adr-0028 Amendment 3 takes it from "the facts
+/// rows of the last wave committed (duration_ms, its read and its append)",
+/// per round. Here a round's read is the wave's slowest chunk read (a chunk
+/// row's `duration_ms`: each connection reads one chunk a round, so a wave
+/// of r rounds reads for about r of them), and its append, the wave's bronze
+/// commit (`append_ms` in the detail), happens once a wave, so each round
+/// carries an r-th of it: (r x slowest read + append) / r.
+///
+/// Within a call the record sizes the next wave by the last wave's read
+/// alone ("its read, from its stamp to its rows cached, per round"): its
+/// commit runs beside the next wave's read. So does [`backfill`]: once a
+/// wave's chunks are all read, its slowest chunk read is the pace of the
+/// waves stamped after.
+pub fn round_pace(slowest_read_seconds: f64, append_seconds: f64, rounds: u32) -> f64 {
+    slowest_read_seconds + append_seconds / rounds.max(1) as f64
 }
 
 /// How many rounds of `parallelism` chunks the next wave takes: as many as
@@ -870,7 +906,9 @@ struct WaveCommitted {
 }
 
 impl Sink {
-    fn chunk_fact(&self, c: &ChunkPayload, stamp_ts: Option<DateTime<Utc>>, repaired: bool) -> FactRow {
+    /// A chunk's facts row. `append_ms` is its wave's bronze append (None for
+    /// a wave rebuilt after a crash, whose append this call did not make).
+    fn chunk_fact(&self, c: &ChunkPayload, stamp_ts: Option<DateTime<Utc>>, repaired: bool, append_ms: Option<i64>) -> FactRow {
         let mut row = self.header.clone();
         row.recorded_at = Some(Utc::now());
         row.event = Some(EVENT_SNAPSHOT_CHUNK.into());
@@ -883,6 +921,11 @@ impl Sink {
         let mut detail = json!({"snapshot": self.s.to_hex(), "chunk": c.chunk, "wave": c.wave, "last": c.last, "rounds": c.rounds});
         if let Some(bytes) = c.read_bytes {
             detail["read_bytes"] = json!(bytes);
+        }
+        if let Some(ms) = append_ms {
+            // With duration_ms (the read), the record's "its read and its
+            // append" that sizes the next call's first wave (see `round_pace`).
+            detail["append_ms"] = json!(ms);
         }
         if repaired {
             detail["repaired"] = json!(true);
@@ -900,7 +943,7 @@ impl Sink {
         let txn = txn_wave_bronze(&self.app, self.s, w.wave);
         // Bronze's txn decides the wave, one whose chunks all read no rows
         // too (a commit of the txn and the metadata only): see the module docs.
-        let bronze_version = {
+        let (bronze_version, append_ms) = {
             let meta = json!({
                 "kind": "snapshot_wave",
                 "snapshot_lsn": self.s,
@@ -912,8 +955,12 @@ impl Sink {
                     "stamp": c.stamp, "max_lsn": c.max_lsn, "rounds": c.rounds, "fence": c.fence,
                 })).collect::<Vec<_>>(),
             });
-            match delta::commit_adds(&mut self.bronze, std::mem::take(&mut w.adds), &txn, meta).await? {
-                Appended::Committed { table_version } => Some(table_version),
+            let append_started = Instant::now();
+            let appended = delta::commit_adds(&mut self.bronze, std::mem::take(&mut w.adds), &txn, meta).await?;
+            // Rounded up: an append is never recorded as taking no time.
+            let append_ms = append_started.elapsed().as_micros().div_ceil(1000) as i64;
+            match appended {
+                Appended::Committed { table_version } => (Some(table_version), append_ms),
                 Appended::Empty => return Err(StepError::Internal(format!("wave {}'s bronze commit was skipped as empty", w.wave))),
                 Appended::AlreadyApplied { .. } => {
                     return Err(StepError::Temporary(format!(
@@ -927,14 +974,14 @@ impl Sink {
         for c in &mut w.chunks {
             c.bronze_version = bronze_version;
         }
-        self.finish_wave(&w.chunks, w.stamp_ts, false).await?;
+        self.finish_wave(&w.chunks, w.stamp_ts, false, Some(append_ms)).await?;
         let fixed_seconds = w.read_ended.elapsed().as_secs_f64();
         self.complete_if_done(None).await?;
         Ok(WaveCommitted { rows: w.rows, fixed_seconds })
     }
 
     /// The plans rows, then the facts rows, of a wave whose bronze rows are in.
-    async fn finish_wave(&mut self, chunks: &[ChunkPayload], stamp_ts: Option<DateTime<Utc>>, repaired: bool) -> StepResult<()> {
+    async fn finish_wave(&mut self, chunks: &[ChunkPayload], stamp_ts: Option<DateTime<Utc>>, repaired: bool, append_ms: Option<i64>) -> StepResult<()> {
         let Some(wave) = chunks.first().map(|c| c.wave) else { return Ok(()) };
         let prows: Vec<PlanRow> = chunks
             .iter()
@@ -960,12 +1007,12 @@ impl Sink {
             self.check_recorded_wave(wave, chunks, &recorded, "plans")?;
         }
         failpoint!("chunked.after_wave_plans");
-        self.write_wave_facts(chunks, stamp_ts, repaired).await
+        self.write_wave_facts(chunks, stamp_ts, repaired, append_ms).await
     }
 
-    async fn write_wave_facts(&mut self, chunks: &[ChunkPayload], stamp_ts: Option<DateTime<Utc>>, repaired: bool) -> StepResult<()> {
+    async fn write_wave_facts(&mut self, chunks: &[ChunkPayload], stamp_ts: Option<DateTime<Utc>>, repaired: bool, append_ms: Option<i64>) -> StepResult<()> {
         let Some(wave) = chunks.first().map(|c| c.wave) else { return Ok(()) };
-        let frows: Vec<FactRow> = chunks.iter().map(|c| self.chunk_fact(c, stamp_ts, repaired)).collect();
+        let frows: Vec<FactRow> = chunks.iter().map(|c| self.chunk_fact(c, stamp_ts, repaired, append_ms)).collect();
         let txn = txn_wave_rows(&self.app, self.s, wave);
         if let Appended::AlreadyApplied { .. } = append_facts_rows(&mut self.facts, &self.app, frows, &txn).await? {
             self.facts.update_state().await.map_err(StepError::delta(self.facts.table_url().to_string()))?;
@@ -1246,7 +1293,7 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
             Some(c) => ctx.commit_time(c.stamp).await?,
             None => None,
         };
-        sink.write_wave_facts(&chunks, ts, true).await?;
+        sink.write_wave_facts(&chunks, ts, true, None).await?;
         result.repaired_wave = Some(w);
     } else if bv > pv.max(fv) {
         let w = bv.expect("greater than something");
@@ -1286,7 +1333,7 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         }
         tracing::warn!(wave = w, chunks = chunks.len(), "bronze holds a wave without its facts rows (a crash between the commits): writing them now");
         let ts = ctx.commit_time(chunks[0].stamp).await?;
-        sink.finish_wave(&chunks, ts, true).await?;
+        sink.finish_wave(&chunks, ts, true, None).await?;
         result.repaired_wave = Some(w);
     }
     if result.repaired_wave.is_some() {
@@ -1308,7 +1355,11 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
     // found it empty stamps the next wave and queues its chunks, so no
     // connection waits for a wave's slowest chunk. Each chunk is written to
     // its own data files as it is read. This task commits the waves, in order,
-    // as each one's chunks are all in: the reads go on meanwhile.
+    // as each one's chunks are all in: the reads go on meanwhile, but only one
+    // wave ahead. While two waves are uncommitted (MAX_UNCOMMITTED_WAVES) a
+    // reader that finds the queue empty waits on `commits`, which this task
+    // bumps after each commit and when the call fails, then asks again: it
+    // gets a chunk, waits again, or (failed, out of budget) exits.
     let pending: VecDeque<PlannedChunk> = plan.chunks.iter().filter(|c| !sink.done.contains(&c.chunk)).cloned().collect();
     let first_wave = [bv, pv, fv, prog.last_wave].into_iter().flatten().max().map(|w| w + 1).unwrap_or(0);
     let parallelism = ctx.workflow.snapshot.parallelism.max(1);
@@ -1318,6 +1369,8 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         queue: VecDeque::new(),
         next_wave: first_wave,
         waves_started: 0,
+        waves_committed: 0,
+        reading: BTreeMap::new(),
         stop_reason: None,
         paused: false,
         failed: false,
@@ -1341,6 +1394,8 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         instances,
     }));
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<ReadEvent>();
+    // Waves this call committed; every change (and a failure) wakes the readers waiting for a commit.
+    let (commits, commits_seen) = tokio::sync::watch::channel(0u32);
     let reader = ChunkReader {
         source: ctx.source.clone(),
         bronze: ctx.bronze.clone(),
@@ -1360,10 +1415,11 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
     };
     let mut readers = Vec::with_capacity(parallelism);
     for _ in 0..parallelism {
-        let (coordinator, tx, reader) = (coordinator.clone(), tx.clone(), reader.clone());
-        readers.push(tokio::spawn(async move { reader.run(coordinator, tx).await }));
+        let (coordinator, tx, reader, seen) = (coordinator.clone(), tx.clone(), reader.clone(), commits_seen.clone());
+        readers.push(tokio::spawn(async move { reader.run(coordinator, tx, seen).await }));
     }
     drop(tx);
+    drop(commits_seen);
     let mut waves: BTreeMap<i64, WaveAcc> = BTreeMap::new();
     let mut next_commit = first_wave;
     let mut failure: Option<StepError> = None;
@@ -1387,7 +1443,6 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         // Commit every wave whose chunks are all in, in wave order.
         while failure.is_none() && waves.get(&next_commit).is_some_and(|w| w.chunks.len() >= w.expected) {
             let acc = waves.remove(&next_commit).expect("checked above");
-            let pace = acc.chunks.iter().map(|c| c.2).max().unwrap_or(0) as f64 / 1000.0;
             let committed = async {
                 let max_after = ctx.source.max_lsn().await?.unwrap_or(acc.stamp);
                 let read = acc.into_wave(next_commit, max_after, coordinator.lock().await.last_chunk);
@@ -1399,15 +1454,20 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
                     result.waves += 1;
                     result.rows += c.rows;
                     result.wave_fixed_seconds.push(c.fixed_seconds);
-                    coordinator.lock().await.pace_round_seconds = Some(pace);
+                    coordinator.lock().await.waves_committed += 1;
+                    // After the count is in the coordinator: a reader woken by
+                    // this finds room for the next wave.
+                    let _ = commits.send_replace(result.waves);
                     next_commit += 1;
                 }
                 Err(e) => failure = Some(e),
             }
         }
         if failure.is_some() {
-            // Stop handing out chunks; the readers finish the chunk in hand.
+            // Stop handing out chunks; the readers finish the chunk in hand,
+            // and those waiting for a commit wake, find the call failed and exit.
             coordinator.lock().await.failed = true;
+            let _ = commits.send_replace(result.waves);
         }
     }
     for r in readers {
@@ -1496,6 +1556,10 @@ struct Coordinator {
     queue: VecDeque<WorkItem>,
     next_wave: i64,
     waves_started: u32,
+    /// Of those, the waves whose commit (bronze, plans, facts) is done.
+    waves_committed: u32,
+    /// Waves being read: wave -> (chunks not read yet, slowest read so far in ms).
+    reading: BTreeMap<i64, (usize, i64)>,
     stop_reason: Option<String>,
     paused: bool,
     failed: bool,
@@ -1521,25 +1585,46 @@ struct Coordinator {
     instances: Vec<crate::source::CaptureInstance>,
 }
 
+/// What [`Coordinator::next`] gives a reader.
+enum Next {
+    /// A chunk to read.
+    Chunk(WorkItem),
+    /// Nothing to read now, and no wave may start: [`MAX_UNCOMMITTED_WAVES`]
+    /// are uncommitted. Ask again after the next commit.
+    Wait,
+    /// Nothing more for this call.
+    Done,
+}
+
 impl Coordinator {
-    /// The next chunk to read, starting a wave when the queue is empty; None when the call is done.
-    async fn next(&mut self, events: &tokio::sync::mpsc::UnboundedSender<ReadEvent>) -> StepResult<Option<WorkItem>> {
+    /// The next chunk to read, starting a wave when the queue is empty and
+    /// fewer than [`MAX_UNCOMMITTED_WAVES`] are uncommitted.
+    async fn next(&mut self, events: &tokio::sync::mpsc::UnboundedSender<ReadEvent>) -> StepResult<Next> {
         if self.failed {
-            return Ok(None);
+            return Ok(Next::Done);
         }
         if let Some(w) = self.queue.pop_front() {
-            return Ok(Some(w));
+            return Ok(Next::Chunk(w));
         }
         if self.pending.is_empty() || self.stop_reason.is_some() {
-            return Ok(None);
+            return Ok(Next::Done);
         }
         if self.max_waves.is_some_and(|m| self.waves_started >= m) {
             self.stop_reason = Some(format!("max_waves ({}) reached", self.waves_started));
-            return Ok(None);
+            return Ok(Next::Done);
         }
+        // A wave starts only before the deadline, and (next) only while at most
+        // one other is uncommitted; it is sized (below) to what is left. When
+        // the time runs out, one wave may still be reading and one committing,
+        // so the call passes max_seconds by at most a wave and the commit under
+        // way (adr-0028 Amendment 3). A reader that waited is asked here again,
+        // so a wave never starts after the deadline.
         if self.deadline.is_some_and(|d| Instant::now() >= d) {
             self.stop_reason = Some("max_seconds reached".into());
-            return Ok(None);
+            return Ok(Next::Done);
+        }
+        if self.waves_started.saturating_sub(self.waves_committed) >= MAX_UNCOMMITTED_WAVES {
+            return Ok(Next::Wait);
         }
         if let Some(h) = self.min_headroom_hours {
             let headroom = newest_headroom(&self.facts, &self.app, self.generation).await?;
@@ -1552,7 +1637,7 @@ impl Coordinator {
                     ),
                     None => format!("paused: the stream has no batch with a headroom yet (min_headroom_hours {h}); run the stream step first"),
                 });
-                return Ok(None);
+                return Ok(Next::Done);
             }
         }
         let remaining = self.deadline.map(|d| d.saturating_duration_since(Instant::now()).as_secs_f64());
@@ -1591,15 +1676,34 @@ impl Coordinator {
                 newer.name,
                 self.stream_instance.name
             ));
-            return Ok(None);
+            return Ok(Next::Done);
         }
         let stamp_ts = self.keys.source.lsn_to_time(stamp).await?.map(|l| self.zone.to_utc(l));
         let wave = self.next_wave;
         self.next_wave += 1;
         self.waves_started += 1;
+        self.reading.insert(wave, (chunks.len(), 0));
         let _ = events.send(ReadEvent::WaveStarted { wave, chunks: chunks.len(), stamp, stamp_ts, rounds: rounds as u32, at: Instant::now() });
         self.queue.extend(chunks.into_iter().map(|chunk| WorkItem { wave, chunk, stamp, stamp_ts }));
-        Ok(self.queue.pop_front())
+        Ok(self.queue.pop_front().map_or(Next::Done, Next::Chunk))
+    }
+
+    /// A chunk of `wave` is read in `read_ms`. Once the wave's chunks are all
+    /// read, its slowest read is the pace of the waves stamped after it in
+    /// this call (the record's "pace of the last wave: its read ... per
+    /// round"; its commit runs beside the next wave's read). With one
+    /// connection the next wave is stamped right after, at this pace; with
+    /// more, a reader may have stamped it while this wave's last chunk was
+    /// still being read, at the pace of the wave before.
+    fn chunk_read(&mut self, wave: i64, read_ms: i64) {
+        let Some(w) = self.reading.get_mut(&wave) else { return };
+        w.0 = w.0.saturating_sub(1);
+        w.1 = w.1.max(read_ms);
+        if w.0 == 0 {
+            let slowest = w.1;
+            self.reading.remove(&wave);
+            self.pace_round_seconds = Some(slowest as f64 / 1000.0);
+        }
     }
 }
 
@@ -1619,12 +1723,29 @@ struct ChunkReader {
 }
 
 impl ChunkReader {
-    async fn run(self, coordinator: Arc<Mutex<Coordinator>>, events: tokio::sync::mpsc::UnboundedSender<ReadEvent>) {
+    /// `commits` counts the waves committed; a reader told to wait sleeps
+    /// until it changes (the committing task also bumps it when the call
+    /// fails), so it never misses the commit it waits for: it marks the value
+    /// seen before asking, and the count reaches the coordinator before it
+    /// is sent. It exits when the sender is gone.
+    async fn run(
+        self,
+        coordinator: Arc<Mutex<Coordinator>>,
+        events: tokio::sync::mpsc::UnboundedSender<ReadEvent>,
+        mut commits: tokio::sync::watch::Receiver<u32>,
+    ) {
         loop {
+            commits.mark_unchanged();
             let next = coordinator.lock().await.next(&events).await;
             let item = match next {
-                Ok(Some(item)) => item,
-                Ok(None) => return,
+                Ok(Next::Chunk(item)) => item,
+                Ok(Next::Done) => return,
+                Ok(Next::Wait) => {
+                    if commits.changed().await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
                 Err(e) => {
                     coordinator.lock().await.failed = true;
                     let _ = events.send(ReadEvent::Failed(e));
@@ -1633,6 +1754,8 @@ impl ChunkReader {
             };
             match self.read_retrying(&item).await {
                 Ok(ChunkReadOutcome { rows, read_ms, read_bytes, fence, adds }) => {
+                    // Before asking for the next chunk: a wave stamped next is sized at this pace.
+                    coordinator.lock().await.chunk_read(item.wave, read_ms);
                     let _ = events.send(ReadEvent::ChunkRead { wave: item.wave, chunk: item.chunk, rows, read_ms, read_bytes, fence, adds, ended: Instant::now() });
                 }
                 Err(e) => {
@@ -1830,7 +1953,34 @@ mod tests {
         assert_eq!(p.done.keys().copied().collect::<Vec<_>>(), vec![0, 1, 2]);
         assert_eq!(p.done.values().sum::<i64>(), 18);
         assert_eq!(p.last_wave, Some(1));
-        assert_eq!(p.pace_round_seconds, Some(1.0));
+        assert_eq!(p.pace_round_seconds, Some(1.0), "rows without an append (written before it was recorded) count none");
+    }
+
+    /// The record's pace from the facts: the wave's read and its append, per
+    /// round. Fails against a pace of the slowest read alone (the append left
+    /// out), which sized the next call's first wave too large.
+    #[test]
+    fn the_pace_from_the_facts_adds_the_waves_append_per_round() {
+        let with_append = |mut r: FactRow, ms: i64| {
+            r.detail.as_mut().unwrap()["append_ms"] = json!(ms);
+            r
+        };
+        // Wave 1 of 2 rounds: slowest read 3 s, append 2 s -> 3 + 2 / 2 = 4 s a round.
+        let rows = vec![
+            with_append(chunk(10, 0, 0, 5, 9000, 1), 9000),
+            with_append(chunk(10, 1, 1, 5, 3000, 2), 2000),
+            with_append(chunk(10, 2, 1, 5, 2500, 2), 2000),
+        ];
+        let p = progress(&rows, lsn(10));
+        assert_eq!(p.pace_round_seconds, Some(4.0));
+        // One round: the whole append on it.
+        let rows = vec![with_append(chunk(10, 0, 0, 5, 1500, 1), 500)];
+        assert_eq!(progress(&rows, lsn(10)).pace_round_seconds, Some(2.0));
+        // A rebuilt wave (no read times) does not set the pace; the one before does.
+        let mut rebuilt = chunk(10, 1, 1, 5, 0, 1);
+        rebuilt.duration_ms = None;
+        let rows = vec![with_append(chunk(10, 0, 0, 5, 1500, 1), 500), rebuilt];
+        assert_eq!(progress(&rows, lsn(10)).pace_round_seconds, Some(2.0));
     }
 
     #[test]
@@ -1841,6 +1991,17 @@ mod tests {
         assert_eq!(rounds_for_wave(300.0, Some(60.0), Some(130.0), 10), 2, "bounded by max_seconds");
         assert_eq!(rounds_for_wave(300.0, Some(60.0), Some(10.0), 10), 1, "at least one");
         assert_eq!(rounds_for_wave(300.0, Some(1.0), None, 3), 3, "no more than are left");
+        // With the commit: 50 s reads and a 40 s append over the 2 rounds before
+        // make 70 s a round, so 4 rounds, where the read alone (50 s) gave 6.
+        assert_eq!(round_pace(50.0, 40.0, 2), 70.0);
+        assert_eq!(rounds_for_wave(300.0, Some(round_pace(50.0, 40.0, 2)), None, 10), 4);
+        assert_eq!(rounds_for_wave(300.0, Some(round_pace(50.0, 0.0, 2)), None, 10), 6);
+        // A wave of one round carries its whole append: 50 + 40 = 90 s, 3 rounds.
+        assert_eq!(rounds_for_wave(300.0, Some(round_pace(50.0, 40.0, 1)), None, 10), 3);
+        // Reads too fast to measure (0 ms): the append alone paces the wave.
+        assert_eq!(rounds_for_wave(1.0, Some(round_pace(0.0, 0.3, 1)), None, 10), 3);
+        // The time left caps it at the same pace: 150 s left hold 2 rounds of 70 s.
+        assert_eq!(rounds_for_wave(300.0, Some(round_pace(50.0, 40.0, 2)), Some(150.0), 10), 2);
     }
 
     // Tests that close UNTESTED rows of docs/CONFORMANCE.md (28.72, 28.73, 28.126).
