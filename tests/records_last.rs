@@ -240,7 +240,6 @@ struct AroundRead {
 /// handed to the caller only after that, so the second commit is certainly
 /// after the read.
 struct CommitsAroundReads {
-    inner: SharedSource,
     db: SimDb,
     table: TableName,
     version: AtomicI64,
@@ -272,40 +271,16 @@ impl CommitsAroundReads {
 }
 
 #[async_trait]
-impl CdcSource for CommitsAroundReads {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    async fn max_lsn(&self) -> Result<Option<Lsn>, SourceError> {
-        self.inner.max_lsn().await
-    }
-    async fn min_lsn(&self, ci: &str) -> Result<Option<Lsn>, SourceError> {
-        self.inner.min_lsn(ci).await
-    }
-    async fn increment_lsn(&self, lsn: Lsn) -> Result<Lsn, SourceError> {
-        self.inner.increment_lsn(lsn).await
-    }
-    async fn decrement_lsn(&self, lsn: Lsn) -> Result<Lsn, SourceError> {
-        self.inner.decrement_lsn(lsn).await
-    }
-    async fn table_info(&self, t: &TableName) -> Result<TableInfo, SourceError> {
-        self.inner.table_info(t).await
-    }
-    async fn capture_instances(&self, t: &TableName) -> Result<Vec<CaptureInstance>, SourceError> {
-        self.inner.capture_instances(t).await
-    }
-    async fn changes(&self, ci: &CaptureInstance, from: Lsn, to: Lsn, filter: RowFilter, batch_rows: usize) -> Result<BatchStream, SourceError> {
-        self.inner.changes(ci, from, to, filter, batch_rows).await
-    }
-    async fn snapshot_read(&self, read: &SnapshotRead) -> Result<BatchStream, SourceError> {
+impl common::Hooks for CommitsAroundReads {
+    async fn snapshot_read(&self, inner: &SharedSource, read: &SnapshotRead) -> Result<BatchStream, SourceError> {
         let ids: Vec<i64> =
             self.db.keys(&read.table).unwrap().into_iter().filter(|k| read.range.contains(k)).map(|k| k[0].as_i64().unwrap()).collect();
         let (Some(&first), Some(&last)) = (ids.first(), ids.last()) else {
-            return self.inner.snapshot_read(read).await;
+            return inner.snapshot_read(read).await;
         };
         // After the wave's stamp, before the SELECT.
         let (before_lsn, _, before_qty) = self.update(first);
-        let mut stream = self.inner.snapshot_read(read).await?;
+        let mut stream = inner.snapshot_read(read).await?;
         let mut batches = Vec::new();
         while let Some(b) = stream.next().await {
             batches.push(b);
@@ -320,53 +295,10 @@ impl CdcSource for CommitsAroundReads {
         self.reads.lock().unwrap().push(AroundRead { before_id: first, before_lsn, before_qty, after_id: last, after_lsn, after_old_qty, after_qty, late_max });
         Ok(futures::stream::iter(batches).boxed())
     }
-    async fn snapshot_read_fenced(&self, read: &SnapshotRead) -> Result<FencedRead, SourceError> {
-        // A heap's read; the table here has a primary key, so never called.
-        self.inner.snapshot_read_fenced(read).await
-    }
-    async fn key_extent(&self, t: &TableName, keys: &[String], iso: Isolation) -> Result<Option<(Key, Key)>, SourceError> {
-        self.inner.key_extent(t, keys, iso).await
-    }
-    async fn slice_counts(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64)>, SourceError> {
-        self.inner.slice_counts(t, key, lo, hi, width, iso).await
-    }
-    async fn null_count(&self, t: &TableName, key: &str, iso: Isolation) -> Result<u64, SourceError> {
-        self.inner.null_count(t, key, iso).await
-    }
-    async fn bucket_sums(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64, i128)>, SourceError> {
-        self.inner.bucket_sums(t, key, lo, hi, width, iso).await
-    }
-    async fn key_seek(&self, t: &TableName, keys: &[String], range: &KeyRange, n: u64, iso: Isolation) -> Result<Option<Key>, SourceError> {
-        self.inner.key_seek(t, keys, range, n, iso).await
-    }
-    async fn compare_keys(&self, t: &TableName, keys: &[String], pairs: &[(Key, Key)]) -> Result<Vec<std::cmp::Ordering>, SourceError> {
-        self.inner.compare_keys(t, keys, pairs).await
-    }
-    async fn row_estimate(&self, t: &TableName) -> Result<u64, SourceError> {
-        self.inner.row_estimate(t).await
-    }
-    async fn time_to_lsn(&self, op: TimeOp, t: NaiveDateTime) -> Result<Option<Lsn>, SourceError> {
-        self.inner.time_to_lsn(op, t).await
-    }
-    async fn lsn_to_time(&self, lsn: Lsn) -> Result<Option<NaiveDateTime>, SourceError> {
-        self.inner.lsn_to_time(lsn).await
-    }
-    async fn server_time_zone(&self) -> Result<ServerZone, SourceError> {
-        self.inner.server_time_zone().await
-    }
-    async fn server_local_times(&self, instants: &[DateTime<Utc>]) -> Result<Vec<NaiveDateTime>, SourceError> {
-        self.inner.server_local_times(instants).await
-    }
-    async fn row_count(&self, t: &TableName, iso: Isolation) -> Result<u64, SourceError> {
-        self.inner.row_count(t, iso).await
-    }
-    async fn date_bucket_sums(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64, i128)>, SourceError> {
-        self.inner.date_bucket_sums(t, key, lo, hi, width, iso).await
-    }
 }
 
 /// One `backfill` call in process, its chunk reads through `spy`.
-async fn backfill_through(s: &Scenario, spy: &Arc<CommitsAroundReads>, args: BackfillArgs) -> BackfillResult {
+async fn backfill_through(s: &Scenario, spy: &Arc<common::Wrapped<CommitsAroundReads>>, args: BackfillArgs) -> BackfillResult {
     let mut ctx = s.context().await.unwrap();
     ctx.source = spy.clone();
     chunked::backfill(&mut ctx, &args).await.unwrap()
@@ -396,20 +328,17 @@ async fn a_chunk_read_sees_commits_between_its_stamp_and_its_select_and_a_commit
     let s = Scenario::new(40, ONE_CHUNK_A_WAVE);
     s.stream().await.unwrap();
     let inner = s.context().await.unwrap().source.clone();
-    let spy = Arc::new(CommitsAroundReads {
+    let spy = Arc::new(common::Wrapped::new(
         inner,
-        db: SimDb::open(s.db.path()).unwrap(),
-        table: s.table.clone(),
-        version: AtomicI64::new(100),
-        reads: Mutex::new(Vec::new()),
-    });
+        CommitsAroundReads { db: SimDb::open(s.db.path()).unwrap(), table: s.table.clone(), version: AtomicI64::new(100), reads: Mutex::new(Vec::new()) },
+    ));
 
     let first = backfill_through(&s, &spy, BackfillArgs { max_waves: Some(2), ..Default::default() }).await;
     assert!(!first.done && first.chunks_total >= 4, "two waves of a plan of four chunks or more: {first:?}");
     assert_eq!((first.waves, first.chunks_done), (2, 2), "{first:?}");
     let snapshot = first.snapshot.expect("the snapshot backfill works on");
-    assert_eq!(spy.reads().len(), chunks_with_rows(&facts(&s).await, snapshot), "one read per chunk with rows, each with its two commits");
-    assert!(!spy.reads().is_empty());
+    assert_eq!(spy.hooks.reads().len(), chunks_with_rows(&facts(&s).await, snapshot), "one read per chunk with rows, each with its two commits");
+    assert!(!spy.hooks.reads().is_empty());
 
     // Midway: the stream brings the commits made around the reads; silver
     // takes the two waves with every change of their keys after S.
@@ -433,7 +362,7 @@ async fn a_chunk_read_sees_commits_between_its_stamp_and_its_select_and_a_commit
     assert_eq!(last.snapshot, Some(snapshot));
     let rows = facts(&s).await;
     assert_eq!(events(&rows, "bootstrap").len(), 1, "the snapshot completed");
-    let reads = spy.reads();
+    let reads = spy.hooks.reads();
     assert_eq!(reads.len(), chunks_with_rows(&rows, snapshot), "every chunk with rows was read once, through the spy");
     assert!(reads.len() >= 3, "{reads:?}");
 

@@ -76,7 +76,6 @@ struct Read {
 }
 
 struct Spy {
-    inner: SharedSource,
     bronze: PathBuf,
     delays: Delays,
     calls: AtomicUsize,
@@ -99,77 +98,14 @@ impl Spy {
 }
 
 #[async_trait]
-impl CdcSource for Spy {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    async fn max_lsn(&self) -> Result<Option<Lsn>, SourceError> {
-        self.inner.max_lsn().await
-    }
-    async fn min_lsn(&self, ci: &str) -> Result<Option<Lsn>, SourceError> {
-        self.inner.min_lsn(ci).await
-    }
-    async fn increment_lsn(&self, lsn: Lsn) -> Result<Lsn, SourceError> {
-        self.inner.increment_lsn(lsn).await
-    }
-    async fn decrement_lsn(&self, lsn: Lsn) -> Result<Lsn, SourceError> {
-        self.inner.decrement_lsn(lsn).await
-    }
-    async fn table_info(&self, t: &TableName) -> Result<TableInfo, SourceError> {
-        self.inner.table_info(t).await
-    }
-    async fn capture_instances(&self, t: &TableName) -> Result<Vec<CaptureInstance>, SourceError> {
-        self.inner.capture_instances(t).await
-    }
-    async fn changes(&self, ci: &CaptureInstance, from: Lsn, to: Lsn, filter: RowFilter, batch_rows: usize) -> Result<BatchStream, SourceError> {
-        self.inner.changes(ci, from, to, filter, batch_rows).await
-    }
-    async fn snapshot_read(&self, read: &SnapshotRead) -> Result<BatchStream, SourceError> {
+impl common::Hooks for Spy {
+    async fn snapshot_read(&self, inner: &SharedSource, read: &SnapshotRead) -> Result<BatchStream, SourceError> {
         self.before_read(read).await?;
-        self.inner.snapshot_read(read).await
+        inner.snapshot_read(read).await
     }
-    async fn snapshot_read_fenced(&self, read: &SnapshotRead) -> Result<FencedRead, SourceError> {
+    async fn snapshot_read_fenced(&self, inner: &SharedSource, read: &SnapshotRead) -> Result<FencedRead, SourceError> {
         self.before_read(read).await?;
-        self.inner.snapshot_read_fenced(read).await
-    }
-    async fn key_extent(&self, t: &TableName, keys: &[String], iso: Isolation) -> Result<Option<(Key, Key)>, SourceError> {
-        self.inner.key_extent(t, keys, iso).await
-    }
-    async fn slice_counts(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64)>, SourceError> {
-        self.inner.slice_counts(t, key, lo, hi, width, iso).await
-    }
-    async fn null_count(&self, t: &TableName, key: &str, iso: Isolation) -> Result<u64, SourceError> {
-        self.inner.null_count(t, key, iso).await
-    }
-    async fn bucket_sums(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64, i128)>, SourceError> {
-        self.inner.bucket_sums(t, key, lo, hi, width, iso).await
-    }
-    async fn key_seek(&self, t: &TableName, keys: &[String], range: &KeyRange, n: u64, iso: Isolation) -> Result<Option<Key>, SourceError> {
-        self.inner.key_seek(t, keys, range, n, iso).await
-    }
-    async fn compare_keys(&self, t: &TableName, keys: &[String], pairs: &[(Key, Key)]) -> Result<Vec<std::cmp::Ordering>, SourceError> {
-        self.inner.compare_keys(t, keys, pairs).await
-    }
-    async fn row_estimate(&self, t: &TableName) -> Result<u64, SourceError> {
-        self.inner.row_estimate(t).await
-    }
-    async fn time_to_lsn(&self, op: TimeOp, t: NaiveDateTime) -> Result<Option<Lsn>, SourceError> {
-        self.inner.time_to_lsn(op, t).await
-    }
-    async fn lsn_to_time(&self, lsn: Lsn) -> Result<Option<NaiveDateTime>, SourceError> {
-        self.inner.lsn_to_time(lsn).await
-    }
-    async fn server_time_zone(&self) -> Result<ServerZone, SourceError> {
-        self.inner.server_time_zone().await
-    }
-    async fn server_local_times(&self, instants: &[DateTime<Utc>]) -> Result<Vec<NaiveDateTime>, SourceError> {
-        self.inner.server_local_times(instants).await
-    }
-    async fn row_count(&self, t: &TableName, iso: Isolation) -> Result<u64, SourceError> {
-        self.inner.row_count(t, iso).await
-    }
-    async fn date_bucket_sums(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64, i128)>, SourceError> {
-        self.inner.date_bucket_sums(t, key, lo, hi, width, iso).await
+        inner.snapshot_read_fenced(read).await
     }
 }
 
@@ -185,7 +121,7 @@ struct Run {
 
 async fn backfill_spied(s: &Scenario, delays: Delays, args: BackfillArgs) -> Run {
     let mut ctx = s.context().await.unwrap();
-    let spy = Arc::new(Spy { inner: ctx.source.clone(), bronze: s.path().join("bronze"), delays, calls: AtomicUsize::new(0), reads: Mutex::new(Vec::new()) });
+    let spy = Arc::new(common::Wrapped::new(ctx.source.clone(), Spy { bronze: s.path().join("bronze"), delays, calls: AtomicUsize::new(0), reads: Mutex::new(Vec::new()) }));
     ctx.source = spy.clone();
     let (started, started_at) = (Instant::now(), SystemTime::now());
     // A reader left waiting for a commit that never comes would hang the call.
@@ -193,7 +129,7 @@ async fn backfill_spied(s: &Scenario, delays: Delays, args: BackfillArgs) -> Run
         .await
         .expect("the call returns: no reader is left waiting for a commit");
     let elapsed = started.elapsed();
-    let reads = spy.reads.lock().unwrap().clone();
+    let reads = spy.hooks.reads.lock().unwrap().clone();
     Run { result, reads, started, started_at, elapsed }
 }
 

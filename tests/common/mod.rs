@@ -511,9 +511,12 @@ pub trait Hooks: Send + Sync {
     async fn snapshot_read(&self, inner: &SharedSource, read: &SnapshotRead) -> Result<BatchStream, SourceError> {
         inner.snapshot_read(read).await
     }
+    async fn snapshot_read_fenced(&self, inner: &SharedSource, read: &SnapshotRead) -> Result<FencedRead, SourceError> {
+        inner.snapshot_read_fenced(read).await
+    }
 }
 
-/// A [`CdcSource`] over `inner`: `max_lsn`, `changes` and `snapshot_read` go
+/// A [`CdcSource`] over `inner`: `max_lsn`, `changes`, `snapshot_read` and `snapshot_read_fenced` go
 /// through `hooks`, every other call straight to `inner`.
 pub struct Wrapped<H> {
     pub inner: SharedSource,
@@ -556,7 +559,7 @@ impl<H: Hooks + 'static> CdcSource for Wrapped<H> {
         self.hooks.snapshot_read(&self.inner, read).await
     }
     async fn snapshot_read_fenced(&self, read: &SnapshotRead) -> Result<FencedRead, SourceError> {
-        self.inner.snapshot_read_fenced(read).await
+        self.hooks.snapshot_read_fenced(&self.inner, read).await
     }
     async fn key_extent(&self, t: &TableName, keys: &[String], iso: Isolation) -> Result<Option<(Key, Key)>, SourceError> {
         self.inner.key_extent(t, keys, iso).await
