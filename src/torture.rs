@@ -695,21 +695,47 @@ fn diff(label: &str, engine: &Multiset, model: &Multiset) -> Result<(), String> 
 async fn check(db: &SimDb, table: &TableName, shape: Shape, wf: &Path, columns: &[ColumnDesc]) -> Result<(), String> {
     let dir = wf.parent().expect("the workflow's folder");
     let loc = |t: &str| dir.join(t).to_string_lossy().into_owned();
+    silver_matches_table(db, table, &loc("silver"), columns).await?;
+    let s = bronze_matches_change_log(db, table, &loc("bronze"), &loc("facts"), columns, shape.model_filter()).await?;
+    batch_ranges_tile(&loc("facts"), "t", s).await
+}
+
+/// The reference check of silver: silver's rows against the simulator's
+/// table, every column, as multisets (a heap's silver row counts `_count`
+/// times and must hold each distinct row once with a positive count). Read
+/// from the simulator itself, never through the engine's rebuild; tests of
+/// single scenarios call it as the tester does.
+pub async fn silver_matches_table(db: &SimDb, table: &TableName, silver: &str, columns: &[ColumnDesc]) -> Result<(), String> {
+    let src = db.source().map_err(|e| e.to_string())?;
+    let (silver_rows, table_rows) = silver_and_table(&src, table, silver, columns, true).await?;
+    diff("silver (target) and the table (source)", &silver_rows, &table_rows)
+}
+
+/// The reference check of bronze: its change rows (every column, with the
+/// rank columns `_start_lsn`, `_seqval`, `_operation` and `_command_id`)
+/// against what the simulator's change function returns from S to its max
+/// LSN with `filter` (the row filter the stream reads with), as multisets:
+/// none lost, none twice. S is the first snapshot's (bronze's smallest
+/// `_snapshot`, or the facts' open for an empty table), returned for
+/// [`batch_ranges_tile`]. One generation and one capture instance: the
+/// newest instance's change function is the reference.
+pub async fn bronze_matches_change_log(
+    db: &SimDb,
+    table: &TableName,
+    bronze: &str,
+    facts: &str,
+    columns: &[ColumnDesc],
+    filter: RowFilter,
+) -> Result<Lsn, String> {
     let names: Vec<String> = columns.iter().map(|c| c.name.clone()).collect();
     let src = db.source().map_err(|e| e.to_string())?;
-
-    // Silver against the table, every column, as a multiset.
-    let (silver_rows, table_rows) = silver_and_table(&src, table, &loc("silver"), columns, true).await?;
-    diff("silver (target) and the table (source)", &silver_rows, &table_rows)?;
-
-    // Bronze's change rows against the change function from S to the end.
-    let bronze = delta::open_existing(&loc("bronze"), &Default::default()).await.map_err(|e| e.to_string())?.ok_or("bronze was never created")?;
+    let bronze = delta::open_existing(bronze, &Default::default()).await.map_err(|e| e.to_string())?.ok_or("bronze was never created")?;
     let s_rows = delta::query(&bronze, "SELECT MIN(_snapshot) AS s FROM t WHERE _operation = 0").await.map_err(|e| e.to_string())?;
     let s_text = s_rows.first().and_then(|b| texts(b, &["s".to_string()]).ok()).and_then(|v| v.into_iter().next());
     let s = match s_text.as_deref() {
         Some(t) if !t.starts_with('\u{2400}') => Lsn::parse(t).map_err(|e| e.to_string())?,
         // An empty table: the snapshot wrote no rows; the facts hold S.
-        _ => snapshot_lsn_from_facts(&loc("facts")).await?,
+        _ => snapshot_lsn_from_facts(facts).await?,
     };
     let max = src.max_lsn().await.map_err(|e| e.to_string())?.ok_or("the source has no max LSN")?;
     let instances = src.capture_instances(table).await.map_err(|e| e.to_string())?;
@@ -723,7 +749,7 @@ async fn check(db: &SimDb, table: &TableName, shape: Shape, wf: &Path, columns: 
     change_names.extend(names.iter().cloned());
     let mut model = Multiset::new();
     if s < max {
-        let mut changes = src.changes(instance, s.increment(), max, shape.model_filter(), 1000).await.map_err(|e| e.to_string())?;
+        let mut changes = src.changes(instance, s.increment(), max, filter, 1000).await.map_err(|e| e.to_string())?;
         while let Some(b) = changes.next().await {
             let b = b.map_err(|e| e.to_string())?;
             for t in texts(&b, &change_names)? {
@@ -748,7 +774,7 @@ async fn check(db: &SimDb, table: &TableName, shape: Shape, wf: &Path, columns: 
     // LSNs print as hex in bronze and as bytes in the change batch: compare both as hex.
     let model: Multiset = model.into_iter().map(|(k, n)| (hex_lsns(&k), n)).collect();
     diff("bronze's change rows (target) and the change function's (source)", &held, &model)?;
-    check_batch_ranges(&loc("facts"), s).await
+    Ok(s)
 }
 
 /// Silver's rows and the table's, every column, as multisets (a heap's
@@ -789,13 +815,16 @@ async fn silver_and_table(src: &dyn CdcSource, table: &TableName, silver_locatio
     Ok((silver_rows, table_rows))
 }
 
-/// The stream's batch rows in the facts tile the LSNs after S: batch ids
-/// 0, 1, 2, ... each once, each range starting right after the previous one.
-async fn check_batch_ranges(facts: &str, s: Lsn) -> Result<(), String> {
+/// The stream's batch rows in the facts (of `app_id`, one generation) tile
+/// the LSNs after S: batch ids 0, 1, 2, ... each once, each range starting
+/// right after the previous one.
+pub async fn batch_ranges_tile(facts: &str, app_id: &str, s: Lsn) -> Result<(), String> {
     let t = delta::open_existing(facts, &Default::default()).await.map_err(|e| e.to_string())?.ok_or("facts was never created")?;
-    let batches = delta::query(&t, "SELECT CAST(batch_id AS VARCHAR) AS b, min_lsn, max_lsn FROM t WHERE app_id = 't' AND event IS NULL AND batch_id IS NOT NULL ORDER BY batch_id")
-        .await
-        .map_err(|e| e.to_string())?;
+    let sql = format!(
+        "SELECT CAST(batch_id AS VARCHAR) AS b, min_lsn, max_lsn FROM t WHERE app_id = {} AND event IS NULL AND batch_id IS NOT NULL ORDER BY batch_id",
+        delta::sql_str(app_id)
+    );
+    let batches = delta::query(&t, &sql).await.map_err(|e| e.to_string())?;
     let mut expected_id = 0i64;
     let mut next_from = s.increment();
     for b in &batches {

@@ -158,6 +158,11 @@ impl Scenario {
         Context::open(self.workflow()).await
     }
 
+    /// [`assert_targets_match_source`] for this scenario's workflow.
+    pub async fn assert_matches_source(&self) {
+        assert_targets_match_source(&self.db, &self.table, &self.wf_path).await
+    }
+
     pub async fn stream(&self) -> StepResult<engine::stream::StreamResult> {
         let mut ctx = self.context().await?;
         engine::stream::run(&mut ctx).await
@@ -603,4 +608,30 @@ impl<H: Hooks + 'static> CdcSource for Wrapped<H> {
     async fn date_bucket_sums(&self, t: &TableName, key: &str, lo: i64, hi: i64, width: i64, iso: Isolation) -> Result<Vec<(i64, u64, i128)>, SourceError> {
         self.inner.date_bucket_sums(t, key, lo, hi, width, iso).await
     }
+}
+
+/// The torture tester's reference checks, for one scenario's targets (the
+/// workflow at `wf_path` names them): silver equals the simulator's table on
+/// every column (skipped where the workflow has no silver), bronze's change
+/// rows equal the simulator's change function from S on every column (with
+/// the stream's row filter; one generation, one capture instance), and the
+/// facts' batch ranges tile the LSNs from S. Read from the simulator and the
+/// Delta tables, never through the engine's rebuild. Panics naming the
+/// first difference.
+pub async fn assert_targets_match_source(db: &SimDb, table: &TableName, wf_path: &Path) {
+    let ctx = Context::open_read_only(Workflow::load(wf_path).unwrap()).await.unwrap();
+    let columns = ctx.instance.columns.clone();
+    let (bronze, facts) = (ctx.workflow.target.bronze.clone(), ctx.workflow.target.facts.clone());
+    if let Some(silver) = ctx.workflow.target.silver.clone() {
+        mssql_cdc::torture::silver_matches_table(db, table, &silver, &columns).await.unwrap_or_else(|e| panic!("silver against the table: {e}"));
+    }
+    let s = mssql_cdc::torture::bronze_matches_change_log(db, table, &bronze, &facts, &columns, ctx.row_filter())
+        .await
+        .unwrap_or_else(|e| panic!("bronze against the change log: {e}"));
+    mssql_cdc::torture::batch_ranges_tile(&facts, &ctx.workflow.app_id, s).await.unwrap_or_else(|e| panic!("the facts' batch ranges: {e}"));
+}
+
+/// [`assert_targets_match_source`] from a test without a runtime of its own.
+pub fn assert_targets_match_source_blocking(db: &SimDb, table: &TableName, wf_path: &Path) {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap().block_on(assert_targets_match_source(db, table, wf_path));
 }
