@@ -202,6 +202,11 @@ async fn null_key_lifecycle(key_type: SqlType) {
     assert_eq!(code, Some(0), "reconcile must be clean: {r}");
     assert_eq!(r["clean"], true, "{r}");
     assert_eq!(r["differences"], 0, "{r}");
+    // The torture tester's reference checks (issue 17): silver against the
+    // table on every column, bronze's change rows against the simulator's
+    // change function from S on every column, the facts' batch ranges tiling
+    // from S. Before the planted duplicate below, which silver must fail.
+    common::assert_targets_match_source(&case.db, &case.table, &case.wf_path).await;
 
     // A second copy of the NULL-key row in silver (what the `=` join left
     // behind) is a difference reconcile must report.
@@ -215,6 +220,9 @@ async fn null_key_lifecycle(key_type: SqlType) {
     let (code, r) = case.run("reconcile");
     assert_eq!(code, Some(3), "a duplicated NULL-key row in silver is a real difference: {r}");
     assert_eq!(r["clean"], false, "{r}");
+    // The reference check of silver sees the planted copy too.
+    let found = mssql_cdc::torture::silver_matches_table(&case.db, &case.table, &case.silver, &columns(&case.key_type)).await;
+    assert!(found.is_err(), "the reference check must see the second NULL-key row in silver");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -277,3 +277,126 @@ async fn a_nullable_integer_key_plans_its_nulls_into_the_first_chunk() {
     }
     assert!(planned[&0] >= 70, "the first chunk holds the 70 NULL keys: {planned:?}");
 }
+
+/// The nullable-key heap of the test above, with silver, and changes while
+/// its chunked snapshot is open: before the first wave and between waves, a
+/// transaction (committed and captured) inserts rows with a NULL key and
+/// with a value, updates NULL-key rows in place, moves a NULL key to a value
+/// and a value to NULL, and deletes rows of both kinds; the stream runs on
+/// every other round. Then the stream until caught up and `apply` until it
+/// has nothing left, and the torture tester's reference checks: silver is the
+/// table on every column (a heap's silver as a multiset with counts), bronze's
+/// change rows are the change function's from S on every column, and the
+/// facts' batch ranges tile the LSNs from S.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nullable_integer_key_with_changes_while_its_snapshot_is_open_ends_with_silver_and_bronze_as_the_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut columns = vec![ColumnDesc::new("k", SqlType::Int, true)];
+    columns.extend(payload_columns());
+    let spec = TableSpec { collations: Default::default(), name: TableName::new("dbo", "h"), columns, primary_key: vec![], unique_index: vec![] };
+    // 70 NULL keys among 55 keyed rows (values 1..=50, 3 and 40 repeated), as above.
+    let mut rows: Vec<Vec<SqlValue>> = Vec::new();
+    for i in 0..125i64 {
+        let k = match i {
+            0..=69 => SqlValue::Null,
+            70..=119 => SqlValue::Int(i - 69),
+            120..=122 => SqlValue::Int(3),
+            _ => SqlValue::Int(40),
+        };
+        rows.push([vec![k], payload(i)].concat());
+    }
+    let db = source(dir.path(), &spec, rows);
+    let wf = dir.path().join("wf.toml");
+    std::fs::write(
+        &wf,
+        "app_id = \"bounds\"\n[source]\nurl = \"sim://source.sqlite\"\n[table]\nname = \"h\"\n\
+         [target]\nbronze = \"bronze\"\nfacts = \"facts\"\nsilver = \"silver\"\n\
+         [snapshot]\nbootstrap = true\nmode = \"chunked\"\nparallelism = 2\nchunk_rows = 10\ntarget_wave_seconds = 0\nkeys = [\"k\"]\n",
+    )
+    .unwrap();
+
+    // The stream opens the snapshot.
+    let (out, j) = run(&wf, "stream");
+    assert_eq!(out.status.code(), Some(0), "stream: {j}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(j["bootstrap"]["opened_now"], true, "{j}");
+
+    let table = spec.name.clone();
+    let mut done = false;
+    let mut changes = 0;
+    for round in 0..40i64 {
+        // A heap row is found by its values: each change names a whole row.
+        let current = db.rows(&table).unwrap();
+        let nulls: Vec<Vec<SqlValue>> = current.iter().filter(|r| matches!(r[0], SqlValue::Null)).cloned().collect();
+        let valued: Vec<Vec<SqlValue>> = current.iter().filter(|r| !matches!(r[0], SqlValue::Null)).cloned().collect();
+        let (n, v) = (nulls.len(), valued.len());
+        assert!(n > 13 && v > 3, "round {round}: {n} NULL-key rows, {v} keyed rows left");
+        let base = 1_000 + round * 10;
+        db.transaction(|tx| {
+            // Inserts: a NULL key and a value (one past the keys planned, one among them).
+            tx.insert(&table, [vec![SqlValue::Null], payload(base)].concat())?;
+            tx.insert(&table, [vec![SqlValue::Int(60 + round)], payload(base + 1)].concat())?;
+            tx.insert(&table, [vec![SqlValue::Int(1 + round % 50)], payload(base + 2)].concat())?;
+            // A NULL-key row updated in place (its key stays NULL).
+            let a = &nulls[round as usize % n];
+            tx.update(&table, a, [vec![SqlValue::Null], payload(base + 3)].concat())?;
+            // A NULL key moved to a value.
+            let b = &nulls[(round as usize + 7) % n];
+            let mut b2 = b.clone();
+            b2[0] = SqlValue::Int(5 + round % 40);
+            tx.update(&table, b, b2)?;
+            // A value moved to NULL.
+            let c = &valued[round as usize % v];
+            let mut c2 = c.clone();
+            c2[0] = SqlValue::Null;
+            tx.update(&table, c, c2)?;
+            // Deletes: a NULL-key row and a keyed one.
+            tx.delete(&table, &nulls[(round as usize + 13) % n])?;
+            tx.delete(&table, &valued[(round as usize + 3) % v])
+        })
+        .unwrap();
+        db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
+        db.capture().unwrap();
+        changes += 1;
+        if round % 2 == 1 {
+            let (out, j) = run(&wf, "stream");
+            assert_eq!(out.status.code(), Some(0), "stream in round {round}: {j}\n{}", String::from_utf8_lossy(&out.stderr));
+        }
+        if done {
+            break;
+        }
+        let (out, j) = run_args(&wf, &["backfill", "--max-waves", "1"]);
+        assert_eq!(out.status.code(), Some(0), "backfill in round {round}: {j}\n{}", String::from_utf8_lossy(&out.stderr));
+        // One more round of changes after the last wave, then stop.
+        done = j["done"] == true;
+    }
+    assert!(done, "backfill did not finish in 40 calls");
+    assert!(changes >= 2, "the snapshot took {changes} rounds; the scenario wants changes between waves");
+
+    db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
+    db.capture().unwrap();
+    let mut caught_up = false;
+    for calls in 1..=50 {
+        let (out, j) = run(&wf, "stream");
+        assert_eq!(out.status.code(), Some(0), "stream call {calls}: {j}\n{}", String::from_utf8_lossy(&out.stderr));
+        if j["caught_up"] == true {
+            caught_up = true;
+            break;
+        }
+    }
+    assert!(caught_up, "the stream did not catch up in 50 calls");
+    let mut applied = false;
+    for calls in 1..=20 {
+        let (out, j) = run(&wf, "apply");
+        assert_eq!(out.status.code(), Some(0), "apply call {calls}: {j}\n{}", String::from_utf8_lossy(&out.stderr));
+        if j["action"] == "nothing" {
+            applied = true;
+            break;
+        }
+    }
+    assert!(applied, "apply still had work after 20 calls");
+
+    // The premise: NULL keys are still there, and the changes reached them.
+    let now = db.rows(&table).unwrap();
+    assert!(now.iter().filter(|r| matches!(r[0], SqlValue::Null)).count() >= 40, "NULL-key rows remain");
+    common::assert_targets_match_source(&db, &table, &wf).await;
+}
