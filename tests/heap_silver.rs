@@ -227,6 +227,21 @@ async fn silver_rows(location: &str) -> Multiset {
     out
 }
 
+/// The shared reference check (tests/common): streamed until caught up and
+/// applied, silver (a multiset with `_count`) equals the table on every
+/// column, bronze's change rows equal the simulator's change function from S
+/// (with the stream's `all update old` filter), and the facts' batch ranges
+/// tile the LSNs from S.
+fn assert_targets_match_source(h: &Heap, rt: &tokio::runtime::Runtime) {
+    let mut calls = 0;
+    while h.ok(&["stream"])["caught_up"] != true {
+        calls += 1;
+        assert!(calls < 50, "the stream did not catch up in 50 calls");
+    }
+    h.ok(&["apply"]);
+    rt.block_on(common::assert_targets_match_source(&h.db, &h.table, &h.wf_path));
+}
+
 fn reconcile_is_clean(h: &Heap) {
     let (code, r, err) = h.run(&["reconcile"]);
     assert_eq!(code, Some(0), "reconcile: {r}\n{err}");
@@ -270,6 +285,7 @@ fn a_chunked_heap_with_identical_rows_is_a_multiset_in_silver() {
         h.assert_silver_is_the_table(&rt, &format!("after changes round {round}"));
     }
     reconcile_is_clean(&h);
+    assert_targets_match_source(&h, &rt);
 }
 
 #[test]
@@ -287,6 +303,9 @@ fn a_heap_after_a_full_snapshot_is_a_multiset_in_silver() {
         h.assert_silver_is_the_table(&rt, &format!("after changes round {round}"));
     }
     reconcile_is_clean(&h);
+    // The reference check before the tampering below (which makes silver
+    // differ from the table on purpose).
+    assert_targets_match_source(&h, &rt);
     // A row taken out of silver behind apply's back is a difference reconcile reports.
     rt.block_on(async {
         let t = delta::open_existing(&h.silver, &Default::default()).await.unwrap().unwrap();
@@ -381,6 +400,7 @@ fn a_chunked_heap_read_ahead_of_capture_counts_each_row_once() {
     assert_eq!(a["snapshot_state"], "complete", "{a}");
     h.assert_silver_is_the_table(&rt, "after a chunked snapshot read ahead of capture");
     reconcile_is_clean(&h);
+    assert_targets_match_source(&h, &rt);
 }
 
 /// The same for a full snapshot, read as one fenced range.
@@ -402,4 +422,5 @@ fn a_full_heap_snapshot_read_ahead_of_capture_counts_each_row_once() {
     h.ok(&["apply"]);
     h.assert_silver_is_the_table(&rt, "after a full snapshot read ahead of capture");
     reconcile_is_clean(&h);
+    assert_targets_match_source(&h, &rt);
 }

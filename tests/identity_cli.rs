@@ -13,7 +13,7 @@ use chrono::{TimeZone, Utc};
 use common::{last_json, Scenario};
 use mssql_cdc::sim::TableSpec;
 use mssql_cdc::source::TableName;
-use mssql_cdc::types::{ColumnDesc, SqlType, SqlValue};
+use mssql_cdc::types::{as_stored, value_at, ColumnDesc, SqlType, SqlValue};
 
 fn run(wf: &Path, step: &str) -> Output {
     Command::new(env!("CARGO_BIN_EXE_mssql-cdc"))
@@ -37,6 +37,16 @@ fn expect_ok(wf: &Path, step: &str) -> serde_json::Value {
     let out = run(wf, step);
     assert_eq!(out.status.code(), Some(0), "{step}: {}", String::from_utf8_lossy(&out.stderr));
     last_json(&out)
+}
+
+/// Runs `stream` until it reports `caught_up` (50 calls at the most).
+fn stream_until_caught_up(wf: &Path) {
+    for _ in 0..50 {
+        if expect_ok(wf, "stream")["caught_up"] == true {
+            return;
+        }
+    }
+    panic!("the stream of {} did not catch up in 50 calls", wf.display());
 }
 
 /// Every file under `dir`, recursively, with its size: a refused step must leave it unchanged.
@@ -76,7 +86,7 @@ fn workflow(dir: &Path, file: &str, app_id: &str, table: &str, bronze: &str, fac
 
 #[test]
 fn an_app_id_of_a_generations_form_is_refused_before_anything_is_written() {
-    let s = Scenario::new(20, "[snapshot]\nbootstrap = true\n");
+    let mut s = Scenario::new(20, "[snapshot]\nbootstrap = true\n");
     // The stream `items` runs on shared tables.
     expect_ok(&s.wf_path, "stream");
     let before = listing(s.path());
@@ -89,11 +99,24 @@ fn an_app_id_of_a_generations_form_is_refused_before_anything_is_written() {
     let wf = workflow(s.path(), "hash.toml", "items#x", "items", "b2", "f2", "");
     expect_refused(&wf, "stream", "items#x");
     assert!(!s.path().join("b2").exists() && !s.path().join("f2").exists());
+    // The legitimate stream `items` goes on, now with silver, through
+    // changes: had the colliding id been accepted, its facts would have been
+    // taken for items' (batch facts dropped as applied, a range written to
+    // bronze again, batch ids skipping), which the bronze and tiling checks see.
+    s.write_workflow("silver = \"silver\"\n[snapshot]\nbootstrap = true\n");
+    for _ in 0..3 {
+        s.changes(4);
+        s.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
+        s.db.capture().unwrap();
+        stream_until_caught_up(&s.wf_path);
+        expect_ok(&s.wf_path, "apply");
+    }
+    common::assert_targets_match_source_blocking(&s.db, &s.table, &s.wf_path);
 }
 
 #[test]
 fn one_table_spelt_twice_or_nested_is_refused_before_anything_is_written() {
-    let s = Scenario::new(5, "");
+    let mut s = Scenario::new(5, "");
     let abs = s.path().join("lake").join("x");
     for (bronze, facts, needle) in [
         ("lake/x".to_string(), "lake/x/".to_string(), "same table"),
@@ -110,6 +133,15 @@ fn one_table_spelt_twice_or_nested_is_refused_before_anything_is_written() {
     expect_refused(&wf, "apply", "inside");
     expect_refused(&wf, "stream", "inside");
     assert!(!s.path().join("lake").exists());
+    // The same place, spelt as three tables: a good stream, through changes.
+    let wf = workflow(s.path(), "good.toml", "items", "items", "lake/x", "lake/facts", "silver = \"lake/silver\"");
+    expect_ok(&wf, "stream");
+    s.changes(8);
+    s.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
+    s.db.capture().unwrap();
+    stream_until_caught_up(&wf);
+    expect_ok(&wf, "apply");
+    common::assert_targets_match_source_blocking(&s.db, &s.table, &wf);
 }
 
 fn others_spec(name: &TableName) -> TableSpec {
@@ -123,7 +155,7 @@ fn others_spec(name: &TableName) -> TableSpec {
 
 #[test]
 fn a_bronze_or_an_app_id_of_another_stream_is_refused_before_anything_is_written() {
-    let s = Scenario::new(20, "[snapshot]\nbootstrap = true\n");
+    let mut s = Scenario::new(20, "[snapshot]\nbootstrap = true\n");
     let other = TableName::new("dbo", "others");
     s.db.create_table(&others_spec(&other)).unwrap();
     s.db.load_rows(&other, (0..5).map(|i| vec![SqlValue::Str(format!("c{i}")), SqlValue::Int(i)])).unwrap();
@@ -157,11 +189,26 @@ fn a_bronze_or_an_app_id_of_another_stream_is_refused_before_anything_is_written
     let j = expect_ok(&wf, "stream");
     assert_eq!(j["caught_up"], true, "{j}");
     expect_ok(&s.wf_path, "stream");
+    // Both good streams through changes, on the shared facts table: each
+    // one's bronze is its own table's change log, each one's batches tile.
+    s.changes(8);
+    s.db.transaction(|tx| {
+        tx.update(&other, &vec![SqlValue::Str("c1".into())], vec![SqlValue::Str("c1".into()), SqlValue::Int(10)])?;
+        tx.delete(&other, &vec![SqlValue::Str("c2".into())])?;
+        tx.insert(&other, vec![SqlValue::Str("c9".into()), SqlValue::Int(9)])
+    })
+    .unwrap();
+    s.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
+    s.db.capture().unwrap();
+    stream_until_caught_up(&s.wf_path);
+    stream_until_caught_up(&wf);
+    common::assert_targets_match_source_blocking(&s.db, &s.table, &s.wf_path);
+    common::assert_targets_match_source_blocking(&s.db, &other, &wf);
 }
 
 #[test]
 fn status_writes_nothing_on_a_new_stream_and_reads_a_started_one() {
-    let s = Scenario::new(10, "[snapshot]\nbootstrap = true\n");
+    let mut s = Scenario::new(10, "[snapshot]\nbootstrap = true\n");
     let before = listing(s.path());
     let j = expect_ok(&s.wf_path, "status");
     assert_eq!(j["step"], "status");
@@ -173,6 +220,14 @@ fn status_writes_nothing_on_a_new_stream_and_reads_a_started_one() {
     let j = expect_ok(&s.wf_path, "status");
     assert!(j["position"].is_string(), "{j}");
     assert!(j["snapshot"].is_string(), "{j}");
+    // The stream status read goes on through changes, status between its calls.
+    s.changes(8);
+    s.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
+    s.db.capture().unwrap();
+    expect_ok(&s.wf_path, "status");
+    stream_until_caught_up(&s.wf_path);
+    expect_ok(&s.wf_path, "status");
+    common::assert_targets_match_source_blocking(&s.db, &s.table, &s.wf_path);
 }
 
 #[test]
@@ -203,6 +258,57 @@ fn silver_refuses_a_key_that_delta_would_round_before_writing_silver() {
     expect_refused(&wf, "reconcile", "100 ns");
     assert!(!s.path().join("silver_ticks").join("_delta_log").exists(), "silver must not be created");
     assert!(!s.path().join("silver_ticks_control").join("_delta_log").exists());
+    // Bronze still holds both keys as two rows. Its `at` column is a Delta
+    // timestamp (µs; src/types.rs, no exact column beside it), so both rows
+    // hold the key truncated to the µs: the 100 ns that tell them apart are
+    // not in bronze, which is why apply refuses the key. The rows stay apart
+    // by their other columns and their count.
+    let ty = SqlType::DateTime2 { scale: 7 };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let snapshot_rows = rt.block_on(async {
+        let bronze = mssql_cdc::delta::open_existing(&s.path().join("bronze_ticks").to_string_lossy(), &Default::default())
+            .await
+            .unwrap()
+            .expect("bronze exists");
+        let mut rows = Vec::new();
+        for b in mssql_cdc::delta::query(&bronze, "SELECT * FROM t WHERE _operation = 0").await.unwrap() {
+            let (at, v) = (b.column_by_name("at").expect("at").clone(), b.column_by_name("v").expect("v").clone());
+            for r in 0..b.num_rows() {
+                rows.push((value_at(v.as_ref(), r, &SqlType::Int), value_at(at.as_ref(), r, &ty)));
+            }
+        }
+        rows.sort_by_key(|(v, _)| v.as_i64());
+        rows
+    });
+    assert_eq!(
+        snapshot_rows,
+        vec![
+            (SqlValue::Int(1), as_stored(&SqlValue::DateTime(t0), &ty)),
+            (SqlValue::Int(2), as_stored(&SqlValue::DateTime(t0 + chrono::Duration::nanoseconds(100)), &ty)),
+        ],
+        "bronze's snapshot holds both rows, each key as bronze stores it"
+    );
+    // Changes on both keys and a third 100 ns on: bronze's change rows are
+    // the change log's, every column, and the batches tile from S.
+    s.db.transaction(|tx| {
+        tx.update(&name, &vec![SqlValue::DateTime(t0)], vec![SqlValue::DateTime(t0), SqlValue::Int(10)])?;
+        tx.delete(&name, &vec![SqlValue::DateTime(t0 + chrono::Duration::nanoseconds(100))])?;
+        tx.insert(&name, vec![SqlValue::DateTime(t0 + chrono::Duration::nanoseconds(200)), SqlValue::Int(3)])
+    })
+    .unwrap();
+    s.db.transaction(|tx| tx.insert(&name, vec![SqlValue::DateTime(t0 + chrono::Duration::nanoseconds(100)), SqlValue::Int(4)])).unwrap();
+    s.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
+    s.db.capture().unwrap();
+    stream_until_caught_up(&wf);
+    rt.block_on(async {
+        // No silver (apply is refused): bronze and the facts only.
+        let ctx = mssql_cdc::engine::Context::open_read_only(mssql_cdc::workflow::Workflow::load(&wf).unwrap()).await.unwrap();
+        let (bronze, facts) = (ctx.workflow.target.bronze.clone(), ctx.workflow.target.facts.clone());
+        let from = mssql_cdc::torture::bronze_matches_change_log(&s.db, &name, &bronze, &facts, &ctx.instance.columns, ctx.row_filter())
+            .await
+            .unwrap_or_else(|e| panic!("bronze against the change log: {e}"));
+        mssql_cdc::torture::batch_ranges_tile(&facts, &ctx.workflow.app_id, from).await.unwrap_or_else(|e| panic!("the facts' batch ranges: {e}"));
+    });
 }
 
 #[test]
