@@ -24,7 +24,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use chrono::{DateTime, NaiveDateTime, Utc};
 use common::model::{delta_rows, source_rows, Multiset};
 use common::{item_row, items_spec, Scenario};
 use deltalake::arrow::array::{Array, Int64Array, StringArray};
@@ -34,10 +33,7 @@ use mssql_cdc::engine::chunked::{self, BackfillArgs, BackfillResult};
 use mssql_cdc::engine::{self, apply, Context};
 use mssql_cdc::lsn::Lsn;
 use mssql_cdc::sim::SimDb;
-use mssql_cdc::source::{
-    BatchStream, CaptureInstance, CdcSource, FencedRead, Isolation, KeyRange, RowFilter, ServerZone, SharedSource, SnapshotRead,
-    SourceError, TableInfo, TableName, TimeOp,
-};
+use mssql_cdc::source::{BatchStream, SharedSource, SnapshotRead, SourceError, TableName};
 use mssql_cdc::types::{Key, SqlValue};
 use serde_json::{json, Value};
 

@@ -27,7 +27,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
-use chrono::{DateTime, NaiveDateTime, Utc};
 use common::Scenario;
 use deltalake::arrow::array::{Array, Int64Array};
 use mssql_cdc::delta::{self, facts::FactRow};
@@ -35,11 +34,7 @@ use mssql_cdc::engine::chunked::{self, BackfillArgs, BackfillResult};
 use mssql_cdc::engine;
 use mssql_cdc::error::StepResult;
 use mssql_cdc::lsn::Lsn;
-use mssql_cdc::source::{
-    BatchStream, CaptureInstance, CdcSource, FencedRead, Isolation, KeyRange, RowFilter, ServerZone, SharedSource, SnapshotRead,
-    SourceError, TableInfo, TableName, TimeOp,
-};
-use mssql_cdc::types::Key;
+use mssql_cdc::source::{BatchStream, FencedRead, SharedSource, SnapshotRead, SourceError};
 use serde_json::Value;
 
 /// A chunked bootstrap read by two connections in waves of one round (two

@@ -483,6 +483,13 @@ fn key_match_between(columns: &[ColumnDesc], a: &str, b: &str) -> String {
             let c = ident(&k.name);
             match (k.nullable, null_stand_in(&k.sql_type)) {
                 (false, _) => format!("{a}.{c} = {b}.{c}"),
+                // A timestamp's stand-in literal made deltalake's MERGE fail
+                // to print its predicate ("Unable to convert expression to
+                // string", exit 1, found by a heap with a nullable datetime2
+                // column): compare its microseconds as BIGINT instead.
+                (true, _) if matches!(k.sql_type, SqlType::DateTime | SqlType::SmallDateTime | SqlType::DateTime2 { .. }) => format!(
+                    "COALESCE(CAST({a}.{c} AS BIGINT), 0) = COALESCE(CAST({b}.{c} AS BIGINT), 0) AND ({a}.{c} IS NULL) = ({b}.{c} IS NULL)"
+                ),
                 (true, Some(x)) => format!("COALESCE({a}.{c}, {x}) = COALESCE({b}.{c}, {x}) AND ({a}.{c} IS NULL) = ({b}.{c} IS NULL)"),
                 (true, None) => format!("{a}.{c} IS NOT DISTINCT FROM {b}.{c}"),
             }
