@@ -442,6 +442,35 @@ pub async fn txn_version(table: &DeltaTable, app_id: &str) -> StepResult<Option<
         .map_err(StepError::delta(table.table_url().as_str()))
 }
 
+/// Data files a step writes while it reads (a chunk, a micro-batch) are
+/// closed at this size.
+pub const DATA_FILE_TARGET_BYTES: u64 = 64 * 1024 * 1024;
+
+/// A row group is written out once its encoded size passes this. Parquet's
+/// writer holds the open row group's encoded pages in memory, and its
+/// default closes a group at 1,048,576 rows whatever their size, so without
+/// this bound a read of a million rows would hold them all (encoded) before
+/// any reached the file. 16 MiB keeps a writer's memory small and the row
+/// groups large enough for readers (about 100,000 rows of a narrow table).
+pub const ROW_GROUP_TARGET_BYTES: usize = 16 * 1024 * 1024;
+
+/// A writer for the data files of a step that writes while it reads: its
+/// memory is bounded by one open row group ([`ROW_GROUP_TARGET_BYTES`]),
+/// not by the rows it is given, and it closes files at
+/// [`DATA_FILE_TARGET_BYTES`]. Its `flush` gives the `Add` actions for
+/// [`commit_adds`].
+pub fn streaming_writer(table: &DeltaTable) -> StepResult<RecordBatchWriter> {
+    use deltalake::parquet::basic::Compression;
+    use deltalake::parquet::file::properties::WriterProperties;
+    let label = table.table_url().to_string();
+    // deltalake's own default is SNAPPY; kept, with the row-group bound added.
+    let properties = WriterProperties::builder().set_compression(Compression::SNAPPY).set_max_row_group_bytes(Some(ROW_GROUP_TARGET_BYTES)).build();
+    Ok(RecordBatchWriter::for_table(table)
+        .map_err(StepError::delta(&label))?
+        .with_target_file_size(DATA_FILE_TARGET_BYTES)
+        .with_writer_properties(properties))
+}
+
 /// Appends batches in ONE commit that also carries `txn` and `metadata`, unless
 /// the table already holds that txn version. `metadata` lands in commitInfo
 /// under `mssql_cdc` and, as text, in `userMetadata`. Batches are written to
@@ -468,7 +497,7 @@ where
     if let Some(found) = applied(table, txn).await? {
         return Ok(Appended::AlreadyApplied { found });
     }
-    let mut writer = RecordBatchWriter::for_table(table).map_err(StepError::delta(&label))?;
+    let mut writer = streaming_writer(table)?;
     let mut batches = std::pin::pin!(batches);
     let mut rows = 0usize;
     while let Some(batch) = batches.next().await {

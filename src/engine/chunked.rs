@@ -76,7 +76,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use deltalake::writer::{DeltaWriter, RecordBatchWriter};
+use deltalake::writer::DeltaWriter;
 use deltalake::DeltaTable;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -99,9 +99,6 @@ use crate::types::{Key, SqlType, SqlValue};
 pub const EVENT_SNAPSHOT_PLAN: &str = "snapshot_plan";
 pub const EVENT_SNAPSHOT_CHUNK: &str = "snapshot_chunk";
 
-/// Data files are closed at this size, so a reader holds at most one file's
-/// encoded rows in memory whatever the chunk's size.
-const TARGET_FILE_BYTES: u64 = 64 * 1024 * 1024;
 
 /// Waves a call may have stamped and not yet committed (adr-0028 Amendment
 /// 3: "at most one wave reads while one commits"). A reader that finds the
@@ -1802,7 +1799,7 @@ impl ChunkReader {
         failpoint!("chunked.before_chunk_read");
         let label = self.bronze.table_url().to_string();
         let t0 = Instant::now();
-        let mut writer = RecordBatchWriter::for_table(&self.bronze).map_err(StepError::delta(&label))?.with_target_file_size(TARGET_FILE_BYTES);
+        let mut writer = delta::streaming_writer(&self.bronze)?;
         let read = SnapshotRead { range: KeyRange { lo: item.chunk.lo.clone(), hi: item.chunk.hi.clone() }, ..self.base.clone() };
         let stamp = SnapshotStamp {
             snapshot: self.s,

@@ -59,7 +59,7 @@
 use std::time::Instant;
 
 use deltalake::arrow::array::{Array, FixedSizeBinaryArray};
-use deltalake::arrow::record_batch::RecordBatch;
+use deltalake::writer::DeltaWriter;
 use futures::StreamExt;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -644,7 +644,16 @@ async fn run_batch(
         Err(e) => return Err(e.into()),
     };
     let mut order = super::change_order::OrderCheck::new(&ctx.instance);
-    let mut out: Vec<RecordBatch> = Vec::new();
+    // The rows go to data files as they arrive, not to memory: a batch must
+    // end on a transaction boundary, so one transaction of millions of rows
+    // is one batch however small `max_batch_rows` is, and holding it whole
+    // would take memory in proportion to it. The files become bronze's only
+    // through the commit below (with the batch's txn); an attempt that stops
+    // before it leaves orphans that Delta's VACUUM removes.
+    let label = ctx.bronze.table_url().to_string();
+    // The writer takes bronze's schema as it is now (a switch may have added a column).
+    ctx.bronze.update_state().await.map_err(StepError::delta(&label))?;
+    let mut writer = delta::streaming_writer(&ctx.bronze)?;
     let mut rows = 0usize;
     let mut cut_at: Option<Lsn> = None; // the LSN the batch ends at when it stops before to_max
     while let Some(batch) = stream.next().await {
@@ -671,7 +680,8 @@ async fn run_batch(
         };
         if take > 0 {
             let piece = batch.slice(0, take);
-            out.push(bronze::from_changes(&piece, &bronze_schema, &ctx.zone, batch_id, &ctx.instance.name)?);
+            let piece = bronze::from_changes(&piece, &bronze_schema, &ctx.zone, batch_id, &ctx.instance.name)?;
+            writer.write(piece).await.map_err(StepError::delta(&label))?;
             rows += take;
         }
         if cut_at.is_some() && take < batch.num_rows() {
@@ -682,7 +692,8 @@ async fn run_batch(
         }
     }
     drop(stream);
-    tracing::debug!(batch_id, rows, from = %from, "batch read");
+    let adds = writer.flush().await.map_err(StepError::delta(&label))?;
+    tracing::debug!(batch_id, rows, files = adds.len(), from = %from, "batch read");
     // Only a race test arms this (a sleep): two calls then hold the same batch id.
     failpoint!("stream.after_read");
     // Cleanup may have run during the read: rows of the range could be gone.
@@ -722,11 +733,11 @@ async fn run_batch(
     // Bronze's txn decides the batch, an empty one too (a commit of the txn
     // and the metadata only): see the module docs.
     let txn = Txn::new(st.generation_app_id.clone(), batch_id);
-    let appended = if rows > 0 {
-        delta::append_batches(&mut ctx.bronze, out, bronze_schema, &txn, meta).await?
-    } else {
-        delta::commit_no_rows(&mut ctx.bronze, &txn, meta).await?
-    };
+    if rows > 0 && adds.is_empty() {
+        return Err(StepError::Internal(format!("batch {batch_id} read {rows} rows but bronze wrote no file of them")));
+    }
+    // With no rows this commits the txn and the metadata only (see the module docs).
+    let appended = delta::commit_adds(&mut ctx.bronze, adds, &txn, meta).await?;
     let bronze_version = match appended {
         Appended::Committed { table_version } => table_version,
         Appended::Empty => return Err(StepError::Internal(format!("batch {batch_id} read {rows} rows but bronze wrote none of them"))),
