@@ -160,7 +160,7 @@ fn target_files(s: &Scenario) -> BTreeMap<PathBuf, u64> {
             let e = e.unwrap();
             let p = e.path();
             let name = e.file_name().to_string_lossy().into_owned();
-            if d == s.path() && (name.starts_with("source.sqlite") || p == s.wf_path) {
+            if d.as_path() == s.path() && (name.starts_with("source.sqlite") || p == s.wf_path) {
                 continue;
             }
             if p.is_dir() {

@@ -34,7 +34,10 @@
 //!
 //! No statement had to change to work with exactly these grants: every read
 //! of change data already goes through the function, and the one direct read
-//! of a change table needs only the ordering columns.
+//! of a change table needs only the ordering columns. Two reads were added,
+//! both of `cdc.change_tables` only, to name what a login lacks: the gating
+//! role (`role_name`) in `sql::capture_instances`, and `sql::instance_catalog`
+//! when `sys.fn_cdc_get_min_lsn` answers all zeros.
 //!
 //! # From the server's message to the statement
 //!

@@ -59,7 +59,9 @@
 //!   `__$operation` and `__$command_id` only, a column-level grant that
 //!   exposes no captured value. `SELECT ON SCHEMA::cdc` would expose every
 //!   change table of the database (see `super::grants` for the least grants
-//!   of every statement here; none had to change for them);
+//!   of every statement here: none had to change to run under them, and the
+//!   two reads that name a missing one, `role_name` in [`capture_instances`]
+//!   and [`instance_catalog`], read only `cdc.change_tables`);
 //! * the three join columns were the unique clustered key of `_CT` before
 //!   KB3030352 (the update only added `__$command_id` to it), so each
 //!   function row meets exactly one `_CT` row. The stream still checks it
