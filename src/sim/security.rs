@@ -252,7 +252,7 @@ impl Security {
             return Err(bad(format!("'{member}' is not a user or another role of this database (SQL Server error 15410)")));
         }
         let members = self.roles.entry(key).or_default();
-        if !contains(members, member) {
+        if !contains(members.as_slice(), member) {
             members.push(member.to_string());
         }
         Ok(())
