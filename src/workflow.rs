@@ -39,7 +39,8 @@ pub struct Workflow {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SourceConfig {
-    /// `sim://PATH` (the embedded simulator) or `mssql://USER@HOST:PORT/DATABASE?options`.
+    /// `sim://PATH` (the embedded simulator, as its owner; `sim://PATH?user=NAME`
+    /// as its database user NAME) or `mssql://USER@HOST:PORT/DATABASE?options`.
     pub url: String,
     /// The environment variable holding the password (mssql:// only).
     #[serde(default)]
@@ -274,8 +275,13 @@ impl Workflow {
         self.target.silver = self.target.silver.as_deref().map(resolve);
         self.target.reconcile = self.target.reconcile.as_deref().map(resolve);
         if let Some(rest) = self.source.url.strip_prefix("sim://") {
-            if !Path::new(rest).is_absolute() {
-                self.source.url = format!("sim://{}", absolute(&base.join(rest)).display());
+            // `sim://PATH?user=NAME`: only the path is resolved.
+            let (path, query) = match rest.split_once('?') {
+                Some((p, q)) => (p, format!("?{q}")),
+                None => (rest, String::new()),
+            };
+            if !Path::new(path).is_absolute() {
+                self.source.url = format!("sim://{}{query}", absolute(&base.join(path)).display());
             }
         }
         if let Some(f) = &self.source.password_file {
@@ -587,6 +593,9 @@ mode = "full"
         assert_eq!(wf.target.bronze, "/tmp/wf/bronze");
         assert_eq!(wf.source.url, "sim:///tmp/wf/db.sqlite");
         assert_eq!(wf.table.schema, "dbo");
+        // A database user on a simulator URL: the path is resolved, the user kept.
+        let as_user = Workflow::parse(&GOOD.replace("sim://db.sqlite", "sim://db.sqlite?user=cdc_reader"), Path::new("/tmp/wf/orders.toml")).unwrap();
+        assert_eq!(as_user.source.url, "sim:///tmp/wf/db.sqlite?user=cdc_reader");
         assert!(wf.snapshot.bootstrap);
         assert_eq!(wf.stream.max_batch_rows, 100_000);
     }

@@ -721,10 +721,18 @@ async fn an_int_key_at_2147483647_completes_its_chunked_snapshot() {
     drop_table(&mut a, &name).await;
 }
 
-/// Issue 12 §6: a login with only the grants docs/sqlserver.md lists
-/// ("A read-only login": SELECT on the table, SELECT on schema cdc; no gating
-/// role, since the instance is created with @role_name = NULL) runs stream,
-/// backfill, apply and reconcile.
+/// Issue 12 §5 and §6: a login with exactly the grants docs/sqlserver.md
+/// lists ("A read-only login"), and nothing on schema cdc: SELECT on the
+/// captured columns only (the table has a `secret` column the instance does
+/// not capture and the login may not read), SELECT on cdc.change_tables,
+/// cdc.captured_columns, cdc.index_columns, cdc.lsn_time_mapping and the
+/// instance's change function, SELECT on the four ordering columns of its
+/// change table, and membership of its gating role. It runs stream,
+/// backfill, apply and reconcile, and silver equals the table. Then each of
+/// two grants is taken away in turn, and what the server answers is what the
+/// simulator models: the change function revoked, `stream` exits 2 naming
+/// the GRANT on it; out of the gating role, `fn_cdc_get_min_lsn` answers all
+/// zeros and the client refuses the instance naming the ALTER ROLE.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a SQL Server with CDC: set MSSQL_CDC_TEST_URL and MSSQL_CDC_TEST_PASSWORD, run with --ignored"]
 async fn a_least_privilege_login_streams_and_backfills() {
@@ -733,21 +741,38 @@ async fn a_least_privilege_login_streams_and_backfills() {
     prepare(&mut a).await;
     let name = unique("lp");
     let login = unique("cdc_it_reader");
+    let role = unique("cdc_it_gate");
     let login_password = format!("Rd!{}aA9", uuid::Uuid::new_v4().simple());
     exec(
         &mut a,
         &format!(
-            "CREATE TABLE {SCHEMA}.[{name}] (id int NOT NULL PRIMARY KEY, v nvarchar(20) NULL); \
-             INSERT INTO {SCHEMA}.[{name}] SELECT n, N'v' FROM (SELECT TOP (25) ROW_NUMBER() OVER (ORDER BY (SELECT NULL)) AS n FROM sys.all_objects) AS x"
+            "CREATE TABLE {SCHEMA}.[{name}] (id int NOT NULL PRIMARY KEY, v nvarchar(20) NULL, secret nvarchar(20) NULL); \
+             INSERT INTO {SCHEMA}.[{name}] SELECT n, N'v', N's' FROM (SELECT TOP (25) ROW_NUMBER() OVER (ORDER BY (SELECT NULL)) AS n FROM sys.all_objects) AS x"
         ),
     )
     .await;
-    let ci_name = enable_cdc(&mut a, &name).await;
+    // A gating role (sp_cdc_enable_table creates it) and a captured column list without `secret`.
+    exec(
+        &mut a,
+        &format!(
+            "EXEC sys.sp_cdc_enable_table @source_schema = N'{SCHEMA}', @source_name = N'{name}', @role_name = N'{role}', \
+             @captured_column_list = N'id, v'"
+        ),
+    )
+    .await;
+    let ci_name = format!("{SCHEMA}_{name}");
     exec(
         &mut a,
         &format!(
             "CREATE LOGIN [{login}] WITH PASSWORD = N'{login_password}', CHECK_POLICY = OFF; CREATE USER [{login}] FOR LOGIN [{login}]; \
-             GRANT SELECT ON OBJECT::{SCHEMA}.[{name}] TO [{login}]; GRANT SELECT ON SCHEMA::cdc TO [{login}]"
+             GRANT SELECT ON OBJECT::{SCHEMA}.[{name}] ([id], [v]) TO [{login}]; \
+             GRANT SELECT ON OBJECT::cdc.change_tables TO [{login}]; \
+             GRANT SELECT ON OBJECT::cdc.captured_columns TO [{login}]; \
+             GRANT SELECT ON OBJECT::cdc.index_columns TO [{login}]; \
+             GRANT SELECT ON OBJECT::cdc.lsn_time_mapping TO [{login}]; \
+             GRANT SELECT ON OBJECT::cdc.[fn_cdc_get_all_changes_{ci_name}] TO [{login}]; \
+             GRANT SELECT ON OBJECT::cdc.[{ci_name}_CT] ([__$start_lsn], [__$seqval], [__$operation], [__$command_id]) TO [{login}]; \
+             ALTER ROLE [{role}] ADD MEMBER [{login}]"
         ),
     )
     .await;
@@ -755,17 +780,56 @@ async fn a_least_privilege_login_streams_and_backfills() {
     let steps = Steps::new(&reader_url, &login_password, &name, "[snapshot]\nbootstrap = true\nmode = \"chunked\"\nchunk_rows = 6\ntarget_wave_seconds = 0\n");
     steps.ok(&["stream"]).await;
     steps.backfill_until_done().await;
-    exec(&mut a, &format!("INSERT INTO {SCHEMA}.[{name}] VALUES (100, N'new'); UPDATE {SCHEMA}.[{name}] SET v = N'upd' WHERE id = 3; DELETE FROM {SCHEMA}.[{name}] WHERE id = 4")).await;
+    exec(&mut a, &format!("INSERT INTO {SCHEMA}.[{name}] VALUES (100, N'new', N's'); UPDATE {SCHEMA}.[{name}] SET v = N'upd' WHERE id = 3; DELETE FROM {SCHEMA}.[{name}] WHERE id = 4")).await;
     wait_for_capture(&mut a, &ci_name, 3).await;
     steps.stream_until_caught_up().await;
     let src = MssqlSource::connect(&reader_url, SourceSecrets { password: Some(login_password.clone()) }).await.expect("the reader logs in");
     let table = TableName::new(SCHEMA, &name);
     let ci = instance(&src, &table).await;
+    assert_eq!(ci.columns.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), ["id", "v"], "the instance captures id and v only");
     steps.apply_and_reconcile_clean().await;
     assert_silver_is_the_table(&src, &steps, &table, &ci, false).await;
+
+    // Least means least: the column no step needs stays closed (error 230).
+    let secret = SnapshotRead {
+        table: table.clone(),
+        columns: vec![ColumnDesc::new("secret", SqlType::NVarChar { len: Some(20) }, true)],
+        keys: vec![],
+        range: KeyRange::all(),
+        isolation: Isolation::ReadCommitted,
+        batch_rows: 100,
+    };
+    let denied = match src.snapshot_read(&secret).await {
+        Ok(s) => s.try_collect::<Vec<_>>().await.err(),
+        Err(e) => Some(e),
+    };
+    assert!(
+        matches!(&denied, Some(SourceError::Permission(m)) if m.contains(&format!("GRANT SELECT ON OBJECT::[{SCHEMA}].[{name}] ([secret]) TO [{login}]"))),
+        "expected error 230 naming the grant on secret: {denied:?}"
+    );
+
+    // The change function revoked: the next change read is error 229 naming it.
+    exec(&mut a, &format!("REVOKE SELECT ON OBJECT::cdc.[fn_cdc_get_all_changes_{ci_name}] FROM [{login}]")).await;
+    exec(&mut a, &format!("UPDATE {SCHEMA}.[{name}] SET v = N'again' WHERE id = 5")).await;
+    // The 4 change rows before (an insert, an update's two images, a delete) and this update's two.
+    wait_for_capture(&mut a, &ci_name, 6).await;
+    let (code, json, stderr) = steps.run(&["stream"]).await;
+    let grant = format!("GRANT SELECT ON OBJECT::[cdc].[fn_cdc_get_all_changes_{ci_name}] TO [{login}]");
+    assert_eq!(code, Some(2), "expected stream to stop with exit 2: {json}\n{stderr}");
+    assert!(json["error"].as_str().is_some_and(|m| m.contains(&grant)), "expected the error to name {grant}: {json}");
+    exec(&mut a, &format!("GRANT SELECT ON OBJECT::cdc.[fn_cdc_get_all_changes_{ci_name}] TO [{login}]")).await;
+
+    // Out of the gating role: CDC closes the instance (fn_cdc_get_min_lsn answers all zeros), and the client says so.
+    exec(&mut a, &format!("ALTER ROLE [{role}] DROP MEMBER [{login}]")).await;
+    let closed = MssqlSource::connect(&reader_url, SourceSecrets { password: Some(login_password.clone()) }).await.expect("the reader logs in");
+    instance(&closed, &table).await;
+    let e = closed.min_lsn(&ci_name).await.expect_err("the instance is closed to a login outside its gating role");
+    assert!(matches!(&e, SourceError::Permission(m) if m.contains(&format!("ALTER ROLE [{role}] ADD MEMBER [{login}]"))), "{e}");
+    drop(closed);
+
     drop(src);
     drop_table(&mut a, &name).await;
-    exec(&mut a, &format!("DROP USER [{login}]")).await;
+    exec(&mut a, &format!("DROP USER [{login}]; IF DATABASE_PRINCIPAL_ID(N'{role}') IS NOT NULL DROP ROLE [{role}]")).await;
     // The reader's sessions end as their connections close; the login can go once they have.
     let mut dropped = Err(String::new());
     for _ in 0..20 {

@@ -22,6 +22,8 @@ mod identity_cli;
 mod lock_wait;
 #[path = "mssql_integration.rs"]
 mod mssql_integration;
+#[path = "permissions.rs"]
+mod permissions;
 #[path = "reconcile_tiers.rs"]
 mod reconcile_tiers;
 #[path = "records_last.rs"]

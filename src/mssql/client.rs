@@ -10,6 +10,17 @@
 //! timeouts, deadlock victims, Azure's throttling codes) are retried on a
 //! fresh connection with exponential backoff; a stream is retried only until
 //! its first row has been handed out.
+//!
+//! Permissions (issue 12 §5): the client works with the per-object grants of
+//! docs/sqlserver.md, no `SELECT ON SCHEMA::cdc` (why: [`super::grants`]).
+//! Three of its readings changed for that, each because a missing grant
+//! would otherwise pass unseen: a permission error names the statement that
+//! fixes it ([`ErrorContext`] carries the login and the instance it needs);
+//! `min_lsn` tells CDC refusing this login (all zeros for an instance that
+//! has a `start_lsn`) from "no bound yet", and refuses the former instead of
+//! letting a step's purge checks pass blind; and `capture_instances` refuses
+//! an instance that shows no captured column (its change table is hidden
+//! from the login) rather than describing it as capturing nothing.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -28,6 +39,7 @@ use tokio_util::compat::{Compat, TokioAsyncWriteCompatExt};
 
 use super::config::{MssqlConfig, PASSWORD_ENV};
 use super::convert::{self, Bind};
+use super::grants::{self, InstanceCatalog, InstanceGrants};
 use super::sql::{self, KeyCol, LocalConversion, ReadColumn, Statement};
 use super::windows_zones::{iana_to_windows, windows_to_iana};
 use crate::lsn::Lsn;
@@ -46,11 +58,19 @@ struct Conn {
 }
 
 /// What a failed statement was about, to name it in the error.
-#[derive(Clone, Default)]
-struct Ctx {
+#[derive(Debug, Clone, Default)]
+pub struct ErrorContext {
     /// The capture instance and LSN range of a changes read (for error 313).
-    range: Option<(String, Lsn, Lsn)>,
+    pub range: Option<(String, Lsn, Lsn)>,
+    /// The login the statement ran as: the grantee of the statement a
+    /// permission error names.
+    pub login: Option<String>,
+    /// A changes read's capture instance: what CDC's own check asks of the
+    /// caller, for error 229 on its change function.
+    pub instance: Option<InstanceGrants>,
 }
+
+type Ctx = ErrorContext;
 
 struct Inner {
     cfg: MssqlConfig,
@@ -66,6 +86,9 @@ struct Inner {
     /// Per table, the collation of each string column by name (read once per
     /// process: `compare_keys` names it in every comparison it sends).
     collations: Mutex<HashMap<TableName, HashMap<String, String>>>,
+    /// Per capture instance (lower case), what CDC checks of a caller, as the
+    /// last `capture_instances` read it: only for naming a missing grant.
+    instance_grants: Mutex<HashMap<String, InstanceGrants>>,
     /// How the server turns instants into its wall-clock time, settled by
     /// `server_time_zone` (which also checks a configured zone).
     conversion: Mutex<Option<LocalConversion>>,
@@ -128,7 +151,15 @@ fn map_error(e: tiberius::error::Error, ctx: &Ctx) -> SourceError {
 /// simulator, which models the server's numbered errors, hands them to the
 /// same classification a real server's errors get.
 pub fn classify_server_error(code: u32, msg: &str, range: Option<(String, Lsn, Lsn)>) -> SourceError {
-    map_server_error(code, msg, &Ctx { range })
+    map_server_error(code, msg, &Ctx { range, ..Ctx::default() })
+}
+
+/// [`classify_server_error`] with all the client knows about the statement:
+/// the login and a changes read's instance too, which a permission error
+/// (229, 230) needs to name the statement that fixes it. The simulator's
+/// permission model raises its 229s through this.
+pub fn classify_server_error_in(code: u32, msg: &str, ctx: &ErrorContext) -> SourceError {
+    map_server_error(code, msg, ctx)
 }
 
 /// Classifies an error the server reported, by its number.
@@ -137,9 +168,13 @@ fn map_server_error(code: u32, msg: &str, ctx: &Ctx) -> SourceError {
         18456 | 18452 | 18470 | 18486 | 18487 | 18488 => SourceError::Permission(format!(
             "SQL Server refused the login (error {code}): check the user name in the URL and the password in {PASSWORD_ENV}; {msg}"
         )),
-        229 | 230 | 262 | 297 | 300 | 916 => {
+        229 | 230 => SourceError::Permission(grants::denial_message(code, msg, ctx.login.as_deref(), ctx.instance.as_ref())),
+        262 | 297 | 300 | 916 => {
             SourceError::Permission(format!("SQL Server error {code}: {msg} (see docs/sqlserver.md for the grants the reader needs)"))
         }
+        // sp_spaceused resolves its @objname as the catalog does: an object
+        // the login has no permission on does not exist for it.
+        15009 => SourceError::Config(grants::hidden_object_message(msg, ctx.login.as_deref())),
         313 => match &ctx.range {
             Some((ci, from, to)) => {
                 SourceError::RangeUnavailable { capture_instance: ci.clone(), from: *from, to: *to, reason: msg.to_string() }
@@ -642,6 +677,7 @@ impl MssqlSource {
             idle: Mutex::new(Vec::new()),
             tables: Mutex::new(HashMap::new()),
             collations: Mutex::new(HashMap::new()),
+            instance_grants: Mutex::new(HashMap::new()),
             has_command_id: Mutex::new(HashMap::new()),
             conversion: Mutex::new(None),
         });
@@ -679,7 +715,18 @@ impl MssqlSource {
     }
 
     async fn rows(&self, stmt: &Statement, iso: Isolation) -> Result<Vec<Row>, SourceError> {
-        self.inner.query_rows(stmt, iso, &Ctx::default()).await
+        self.inner.query_rows(stmt, iso, &self.error_context()).await
+    }
+
+    /// The context every statement's errors are read in: the login, which a
+    /// permission error names as the grantee.
+    fn error_context(&self) -> ErrorContext {
+        ErrorContext { login: Some(self.inner.cfg.user.clone()), ..ErrorContext::default() }
+    }
+
+    /// What CDC checks of a caller for this instance, as `capture_instances` last read it.
+    fn instance_grants(&self, capture_instance: &str) -> Option<InstanceGrants> {
+        self.inner.instance_grants.lock().ok().and_then(|m| m.get(&capture_instance.to_lowercase()).cloned())
     }
 
     fn conversion(&self) -> Option<LocalConversion> {
@@ -755,7 +802,7 @@ impl MssqlSource {
             // A fenced read is a locking read by its hints; it runs at READ
             // COMMITTED so that no SNAPSHOT session's row versions play a part.
             isolation: if fence.is_some() { Isolation::ReadCommitted } else { read.isolation },
-            ctx: Ctx::default(),
+            ctx: self.error_context(),
             sink: Sink::Rows { builder: BatchBuilder::new(&read.columns), types: read.columns.iter().map(|c| c.sql_type.clone()).collect() },
             batch_rows: read.batch_rows.max(1),
             fence,
@@ -890,7 +937,32 @@ impl CdcSource for MssqlSource {
     }
 
     async fn min_lsn(&self, capture_instance: &str) -> Result<Option<Lsn>, SourceError> {
-        self.single_lsn(&sql::min_lsn(capture_instance), true).await
+        let answer = self.single_lsn(&sql::min_lsn(capture_instance), true).await?;
+        if answer.is_some() {
+            return Ok(answer);
+        }
+        // All zeros (or NULL): no bound yet, an instance that is gone, or one
+        // whose change data is closed to this login. Its catalog row tells
+        // which (`grants::read_min_lsn`).
+        let rows = self.rows(&sql::instance_catalog(capture_instance), Isolation::ReadCommitted).await?;
+        let catalog = match rows.first() {
+            None => None,
+            Some(r) => {
+                let start_lsn = convert::row_lsn(r, 0, true)?;
+                let gating_role = convert::row_str(r, 1)?;
+                let known = self.instance_grants(capture_instance);
+                let table = match (convert::row_str(r, 2)?, convert::row_str(r, 3)?) {
+                    (Some(schema), Some(name)) => TableName::new(schema, name),
+                    _ => known.as_ref().map(|k| k.table.clone()).unwrap_or_else(|| TableName::new("<schema>", "<table>")),
+                };
+                let columns = known.map(|k| k.columns).unwrap_or_default();
+                Some(InstanceCatalog {
+                    start_lsn,
+                    grants: InstanceGrants { capture_instance: capture_instance.to_string(), table, columns, gating_role },
+                })
+            }
+        };
+        grants::read_min_lsn(answer, catalog.as_ref(), Some(self.inner.cfg.user.as_str()))
     }
 
     async fn increment_lsn(&self, lsn: Lsn) -> Result<Lsn, SourceError> {
@@ -904,9 +976,7 @@ impl CdcSource for MssqlSource {
     async fn table_info(&self, table: &TableName) -> Result<TableInfo, SourceError> {
         let rows = self.rows(&sql::table_columns(table), Isolation::ReadCommitted).await?;
         if rows.is_empty() {
-            return Err(SourceError::Config(format!(
-                "table {table} does not exist in the database, or the login cannot see it (it needs SELECT on the table)"
-            )));
+            return Err(grants::table_hidden(table, Some(self.inner.cfg.user.as_str())));
         }
         let mut columns = Vec::with_capacity(rows.len());
         for r in &rows {
@@ -961,6 +1031,7 @@ impl CdcSource for MssqlSource {
         for h in &heads {
             let name = convert::row_str(h, 0)?.unwrap_or_default();
             let start_lsn = convert::row_lsn(h, 1, true)?;
+            let gating_role = convert::row_str(h, 2)?;
             let mut columns = Vec::new();
             let mut renamed = std::collections::BTreeMap::new();
             for r in &cols {
@@ -978,6 +1049,21 @@ impl CdcSource for MssqlSource {
                 if convert::row_str(r, 0)?.as_deref() == Some(name.as_str()) {
                     index_columns.push(convert::row_str(r, 1)?.unwrap_or_default());
                 }
+            }
+            // The columns come from the change table's sys.columns, which shows
+            // nothing to a login without a permission on that table.
+            if columns.is_empty() {
+                return Err(grants::change_table_hidden(&name, Some(self.inner.cfg.user.as_str())));
+            }
+            let needs = InstanceGrants {
+                capture_instance: name.clone(),
+                table: table.clone(),
+                // CDC's check is on the source table's columns: a renamed one by its name now.
+                columns: columns.iter().map(|c| renamed.get(&c.name).cloned().unwrap_or_else(|| c.name.clone())).collect(),
+                gating_role,
+            };
+            if let Ok(mut m) = self.inner.instance_grants.lock() {
+                m.insert(name.to_lowercase(), needs);
             }
             out.push(CaptureInstance { name, table: table.clone(), start_lsn, columns, index_columns, renamed });
         }
@@ -1004,7 +1090,11 @@ impl CdcSource for MssqlSource {
         self.open_stream(StreamPlan {
             statement: sql::changes(ci, cols, from, to, filter, with_command_id),
             isolation: Isolation::ReadCommitted,
-            ctx: Ctx { range: Some((ci.clone(), from, to)) },
+            ctx: ErrorContext {
+                range: Some((ci.clone(), from, to)),
+                login: Some(self.inner.cfg.user.clone()),
+                instance: self.instance_grants(ci),
+            },
             sink: Sink::Changes { builder: ChangeBatchBuilder::new(cols), types: cols.iter().map(|c| c.sql_type.clone()).collect() },
             batch_rows: batch_rows.max(1),
             fence: None,
@@ -1373,7 +1463,7 @@ mod tests {
 
     #[test]
     fn server_errors_map_to_source_errors() {
-        let ctx = Ctx { range: Some(("dbo_t".into(), Lsn::from_parts(1, 0, 0), Lsn::from_parts(2, 0, 0))) };
+        let ctx = Ctx { range: Some(("dbo_t".into(), Lsn::from_parts(1, 0, 0), Lsn::from_parts(2, 0, 0))), ..Ctx::default() };
         let io = tiberius::error::Error::Io { kind: std::io::ErrorKind::ConnectionReset, message: "reset".into() };
         assert!(matches!(map_error(io, &ctx), SourceError::Transient(_)));
         let tls = tiberius::error::Error::Tls("bad certificate".into());
@@ -1387,6 +1477,14 @@ mod tests {
         let none = Ctx::default();
         assert!(matches!(map_server_error(18456, "Login failed", &none), SourceError::Permission(m) if m.contains(PASSWORD_ENV)));
         assert!(matches!(map_server_error(229, "SELECT denied", &none), SourceError::Permission(_)));
+        // A real 229 with the login known: the message names the GRANT to run.
+        let reader = Ctx { login: Some("cdc_reader".into()), ..Ctx::default() };
+        let e = map_server_error(229, "The SELECT permission was denied on the object 'index_columns', database 'Sales', schema 'cdc'.", &reader);
+        assert!(matches!(&e, SourceError::Permission(m) if m.contains("GRANT SELECT ON OBJECT::[cdc].[index_columns] TO [cdc_reader]")), "{e}");
+        let e = map_server_error(230, "The SELECT permission was denied on the column 'qty' of the object 'items', database 'Sales', schema 'dbo'.", &reader);
+        assert!(matches!(&e, SourceError::Permission(m) if m.contains("GRANT SELECT ON OBJECT::[dbo].[items] ([qty]) TO [cdc_reader]")), "{e}");
+        let e = map_server_error(15009, "The object '[dbo].[items]' does not exist in database 'Sales' or is invalid for this operation.", &reader);
+        assert!(matches!(&e, SourceError::Config(m) if m.contains("GRANT SELECT ON OBJECT::[dbo].[items] TO [cdc_reader]")), "{e}");
         assert!(matches!(map_server_error(3952, "snapshot", &none), SourceError::Config(m) if m.contains("ALLOW_SNAPSHOT_ISOLATION")));
         assert!(matches!(map_server_error(208, "Invalid object name", &none), SourceError::Config(_)));
         assert!(matches!(map_server_error(1205, "deadlock victim", &none), SourceError::Transient(_)));

@@ -5,13 +5,16 @@
 //! * [`sql`]: every T-SQL statement, as pure functions (golden-tested);
 //! * [`convert`]: tiberius cells to [`crate::types::SqlValue`]s and catalog rows to types;
 //! * [`client`]: connections, isolation, retries and the trait implementation;
+//! * [`grants`]: the least grants a login needs, and the statement a permission error asks for;
 //! * [`windows_zones`]: Windows zone names to IANA names.
 //!
-//! Nothing here writes to the server: a read-only login is enough (see docs/sqlserver.md).
+//! Nothing here writes to the server: a read-only login with per-object grants
+//! is enough, no `SELECT ON SCHEMA::cdc` (see docs/sqlserver.md and [`grants`]).
 
 pub mod client;
 pub mod config;
 pub mod convert;
+pub mod grants;
 pub mod sql;
 pub mod windows_zones;
 

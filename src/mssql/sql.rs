@@ -53,9 +53,15 @@
 //!   statement: a `from` below the instance's min LSN, a `to` above max LSN
 //!   or `from > to` is still error 313, so a purged range is never read
 //!   silently and no check of our own can drift from the server's;
-//! * the function applies the gating role, so a reader granted only the role
-//!   keeps working (reading `_CT` needs SELECT on the `cdc` schema too, which
-//!   docs/sqlserver.md already asks for);
+//! * the function applies CDC's own check (SELECT on the captured columns,
+//!   the gating role), so the join reads nothing of `_CT` but its ordering
+//!   columns: a login needs SELECT on `__$start_lsn`, `__$seqval`,
+//!   `__$operation` and `__$command_id` only, a column-level grant that
+//!   exposes no captured value. `SELECT ON SCHEMA::cdc` would expose every
+//!   change table of the database (see `super::grants` for the least grants
+//!   of every statement here: none had to change to run under them, and the
+//!   two reads that name a missing one, `role_name` in [`capture_instances`]
+//!   and [`instance_catalog`], read only `cdc.change_tables`);
 //! * the three join columns were the unique clustered key of `_CT` before
 //!   KB3030352 (the update only added `__$command_id` to it), so each
 //!   function row meets exactly one `_CT` row. The stream still checks it
@@ -273,14 +279,30 @@ pub fn table_unique_keys(t: &TableName) -> Statement {
     )
 }
 
-/// The table's capture instances, oldest first. Columns: capture_instance, start_lsn.
+/// The table's capture instances, oldest first. Columns: capture_instance,
+/// start_lsn, role_name (the gating role, NULL for none: named in the
+/// message when CDC refuses the login).
 pub fn capture_instances(t: &TableName) -> Statement {
     Statement::new(
-        "SELECT ct.capture_instance, ct.start_lsn \
+        "SELECT ct.capture_instance, ct.start_lsn, ct.role_name \
          FROM cdc.change_tables AS ct WHERE ct.source_object_id = OBJECT_ID(@P1, N'U') \
          ORDER BY ct.create_date, ct.object_id"
             .into(),
         vec![object_name_value(t)],
+    )
+}
+
+/// One capture instance's row of `cdc.change_tables`, read when
+/// `sys.fn_cdc_get_min_lsn` answered all zeros: an instance with a
+/// `start_lsn` is then one whose change data is closed to the login
+/// (`super::grants::read_min_lsn`). No row when the instance does not exist.
+/// Columns: start_lsn, role_name, source_schema, source_name.
+pub fn instance_catalog(capture_instance: &str) -> Statement {
+    Statement::new(
+        "SELECT ct.start_lsn, ct.role_name, OBJECT_SCHEMA_NAME(ct.source_object_id) AS source_schema, \
+         OBJECT_NAME(ct.source_object_id) AS source_name FROM cdc.change_tables AS ct WHERE ct.capture_instance = @P1"
+            .into(),
+        vec![SqlValue::Str(capture_instance.into())],
     )
 }
 
@@ -1217,6 +1239,7 @@ mod tests {
         golden("table_columns", &table_columns(&t));
         golden("table_unique_keys", &table_unique_keys(&t));
         golden("capture_instances", &capture_instances(&t));
+        golden("instance_catalog", &instance_catalog("dbo_Orders"));
         golden("captured_columns", &captured_columns(&t));
         golden("index_columns", &index_columns(&t));
         golden("database_cdc_enabled", &database_cdc_enabled());

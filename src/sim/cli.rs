@@ -12,6 +12,7 @@ use crate::source::TableName;
 use crate::types::{ColumnDesc, SqlType};
 
 use super::db::{Clock, FaultOn, FaultSpec, Result, SimConfig, SimDb, SimError, TableSpec};
+use super::security::Permission;
 use super::workload::{orders_rows, orders_table_spec, Mix, Until, Workload};
 
 /// Commands that manage an embedded SQL Server CDC simulator (`sim://PATH`).
@@ -53,6 +54,74 @@ pub enum SimCommand {
     ///
     /// Example: sim advance --db demo.sim --seconds 3600
     Advance(AdvanceArgs),
+    /// Create or drop a database user; a workflow reads as it with `sim://PATH?user=NAME`.
+    ///
+    /// Example: sim user --db demo.sim --create cdc_reader
+    User(UserArgs),
+    /// Create a database role, or add and drop its members (`db_owner` passes every check).
+    ///
+    /// Examples: sim role --db demo.sim --role orders_readers --add-member cdc_reader ;
+    ///   sim role --db demo.sim --create analysts
+    Role(RoleArgs),
+    /// Grant a permission on a schema, an object or columns of an object.
+    ///
+    /// Examples:
+    ///   sim grant --db demo.sim --user cdc_reader --on OBJECT::cdc.change_tables
+    ///   sim grant --db demo.sim --user cdc_reader --on cdc.dbo_orders_CT --columns '__$start_lsn,__$seqval,__$operation,__$command_id'
+    ///   sim grant --db demo.sim --user cdc_reader --on dbo.orders --columns id,customer
+    Grant(GrantArgs),
+    /// Revoke exactly the grant named (a column revoke leaves an object grant alone).
+    ///
+    /// Example: sim revoke --db demo.sim --user cdc_reader --on OBJECT::cdc.lsn_time_mapping
+    Revoke(GrantArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct UserArgs {
+    #[arg(long)]
+    pub db: PathBuf,
+    /// CREATE USER with this name.
+    #[arg(long)]
+    pub create: Vec<String>,
+    /// DROP USER with this name (its memberships and grants go with it).
+    #[arg(long)]
+    pub drop: Vec<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RoleArgs {
+    #[arg(long)]
+    pub db: PathBuf,
+    /// CREATE ROLE with this name.
+    #[arg(long)]
+    pub create: Vec<String>,
+    /// The role --add-member and --drop-member change.
+    #[arg(long)]
+    pub role: Option<String>,
+    /// ALTER ROLE <role> ADD MEMBER <name>.
+    #[arg(long)]
+    pub add_member: Vec<String>,
+    /// ALTER ROLE <role> DROP MEMBER <name>.
+    #[arg(long)]
+    pub drop_member: Vec<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct GrantArgs {
+    #[arg(long)]
+    pub db: PathBuf,
+    /// The grantee: a user or a role.
+    #[arg(long, aliases = ["to", "from"])]
+    pub user: String,
+    /// The securable: SCHEMA::name, OBJECT::schema.name, or schema.name.
+    #[arg(long)]
+    pub on: String,
+    /// Columns of the object, comma-separated (SELECT only).
+    #[arg(long)]
+    pub columns: Option<String>,
+    /// The permission.
+    #[arg(long, value_enum, default_value = "select")]
+    pub permission: Permission,
 }
 
 #[derive(Debug, clap::Args)]
@@ -121,6 +190,9 @@ pub struct CreateArgs {
     /// Do not enable CDC on the table.
     #[arg(long)]
     pub no_cdc: bool,
+    /// The capture instance's gating role (`@role_name`; created when missing).
+    #[arg(long)]
+    pub gating_role: Option<String>,
     /// Seed for generated rows.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -193,6 +265,9 @@ pub struct AlterArgs {
     /// Create a capture instance with this name (capturing the current columns).
     #[arg(long)]
     pub enable_instance: Vec<String>,
+    /// The gating role of the instances --enable-instance creates (`@role_name`).
+    #[arg(long)]
+    pub gating_role: Option<String>,
     /// Drop a capture instance and its change rows.
     #[arg(long)]
     pub drop_instance: Vec<String>,
@@ -343,7 +418,11 @@ pub fn run(cmd: SimCommand) -> Result<serde_json::Value> {
             let db = SimDb::create_with(&a.db, cfg, a.overwrite)?;
             db.create_table(&spec)?;
             let loaded = if a.rows > 0 { db.load_rows(&name, orders_rows(a.rows, a.seed))? } else { 0 };
-            let instance = if a.no_cdc { None } else { Some(db.enable_cdc(&name, None, None)?) };
+            let instance = match (a.no_cdc, &a.gating_role) {
+                (true, _) => None,
+                (false, Some(role)) => Some(db.enable_cdc_gated(&name, None, None, role)?),
+                (false, None) => Some(db.enable_cdc(&name, None, None)?),
+            };
             Ok(serde_json::json!({
                 "created": db.url(),
                 "table": name.to_string(),
@@ -401,7 +480,10 @@ pub fn run(cmd: SimCommand) -> Result<serde_json::Value> {
                     done.push(format!("renamed column {old} of {table} to {new}"));
                 }
                 for i in &a.enable_instance {
-                    let ci = db.enable_cdc(&table, Some(i), None)?;
+                    let ci = match &a.gating_role {
+                        Some(role) => db.enable_cdc_gated(&table, Some(i), None, role)?,
+                        None => db.enable_cdc(&table, Some(i), None)?,
+                    };
                     done.push(format!("enabled capture instance {} at {}", ci.name, ci.start_lsn.map(|l| l.to_hex()).unwrap_or_default()));
                 }
             }
@@ -427,6 +509,42 @@ pub fn run(cmd: SimCommand) -> Result<serde_json::Value> {
             let now = db.advance_clock(Duration::from_secs_f64(secs))?;
             let capture = if a.capture { Some(db.capture()?) } else { None };
             Ok(serde_json::json!({ "clock_utc": now.to_rfc3339(), "capture": json(&capture) }))
+        }
+        SimCommand::User(a) => {
+            let db = SimDb::open(&a.db)?;
+            for u in &a.create {
+                db.create_user(u)?;
+            }
+            for u in &a.drop {
+                db.drop_user(u)?;
+            }
+            Ok(serde_json::json!({ "security": json(&db.security()?) }))
+        }
+        SimCommand::Role(a) => {
+            let db = SimDb::open(&a.db)?;
+            for r in &a.create {
+                db.create_role(r)?;
+            }
+            if !(a.add_member.is_empty() && a.drop_member.is_empty()) {
+                let role = a.role.as_deref().ok_or_else(|| SimError::BadArgument("--add-member and --drop-member need --role".into()))?;
+                for m in &a.add_member {
+                    db.add_role_member(role, m)?;
+                }
+                for m in &a.drop_member {
+                    db.drop_role_member(role, m)?;
+                }
+            }
+            Ok(serde_json::json!({ "security": json(&db.security()?) }))
+        }
+        SimCommand::Grant(a) => {
+            let db = SimDb::open(&a.db)?;
+            let added = db.grant(&a.user, a.permission, &a.on, &list(&a.columns))?;
+            Ok(serde_json::json!({ "granted": json(&added) }))
+        }
+        SimCommand::Revoke(a) => {
+            let db = SimDb::open(&a.db)?;
+            let removed = db.revoke(&a.user, a.permission, &a.on, &list(&a.columns))?;
+            Ok(serde_json::json!({ "revoked": removed }))
         }
     }
 }

@@ -1500,7 +1500,8 @@ impl SimDb {
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn write<T>(&self, f: impl FnOnce(&Connection, &Path) -> Result<T>) -> Result<T> {
+    /// Runs `f` in one write transaction (`BEGIN IMMEDIATE`) on this handle's connection.
+    pub(crate) fn write<T>(&self, f: impl FnOnce(&Connection, &Path) -> Result<T>) -> Result<T> {
         let mut c = self.conn();
         let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).ctx(&self.path)?;
         let out = f(&tx, &self.path)?;
@@ -1872,6 +1873,8 @@ impl SimDb {
             let i = find_instance(c, p, name)?.ok_or_else(|| SimError::NoSuchInstance(name.to_string()))?;
             c.execute("DELETE FROM changes WHERE instance_id = ?1", [i.id]).ctx(p)?;
             c.execute("DELETE FROM instances WHERE id = ?1", [i.id]).ctx(p)?;
+            // Its gating role goes with it: a new instance of the same name has its own.
+            super::security::forget_instance(c, p, &i.info.name)?;
             Ok(())
         })
     }
@@ -2149,6 +2152,7 @@ impl SimDb {
             "armed_faults": faults,
             "tables": tables,
             "config": cfg,
+            "security": super::security::Security::load(&c, p)?,
         }))
     }
 }

@@ -32,6 +32,13 @@
 //!   per-stream row rate limits, injected connection faults, numbered server
 //!   errors ([`SimDb::inject_server_error`]) and a cleanup that races the
 //!   next change read ([`SimDb::cleanup_before_next_change_read`]).
+//! - **Permissions** ([`security`]): database users, roles and grants; a
+//!   `sim://PATH?user=NAME` URL reads as that user, and each read checks what
+//!   SQL Server checks for its statement (SELECT on the columns read, the
+//!   catalog shown only to a caller with a permission on an object, CDC's
+//!   own check of the captured columns and the gating role), failing with
+//!   the server's errors 229 and 230, or all zeros from `fn_cdc_get_min_lsn`.
+//!   No user on the URL is the database owner, whom nothing stops.
 //! - **Schema changes**: added columns are ignored by existing capture
 //!   instances; dropped captured columns read as NULL; a renamed column
 //!   ([`SimDb::rename_column`]) keeps its column id, so an instance goes on
@@ -46,6 +53,7 @@ pub mod collation;
 pub mod cli;
 pub mod db;
 pub mod keys;
+pub mod security;
 pub mod source;
 pub mod workload;
 
@@ -53,6 +61,7 @@ pub use cli::{run, SimCommand};
 pub use db::{
     parse_zone, CaptureReport, CleanupReport, Clock, FaultOn, FaultSpec, SimConfig, SimDb, SimError, SimTx, TableSpec,
 };
+pub use security::{Grant, Permission, Securable, Security};
 pub use source::SimSource;
 pub use workload::{orders_rows, orders_table_spec, Mix, Until, Workload, WorkloadReport};
 

@@ -6,6 +6,11 @@
 //! one SQLite read transaction (a consistent snapshot taken before the call
 //! returns), page by page in key order, and hand batches over a small bounded
 //! channel, so memory stays flat however large the read.
+//!
+//! A source opened as a database user (`sim://PATH?user=NAME`) checks, in
+//! each call, what SQL Server checks of that user for the statement the real
+//! client sends for the same call ([`super::security`]); opened without one
+//! it is the database owner and checks nothing.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -27,38 +32,82 @@ use crate::types::{BatchBuilder, ColumnDesc, Key, SqlValue};
 use super::bounds::RangePredicate;
 use super::db::{self, FaultOn, SimConfig, SimError, SqlCtx, TableMeta};
 use super::keys;
+use super::security::{Guard, CDC_SCHEMA};
+use crate::mssql::client::{classify_server_error_in, ErrorContext};
+use crate::mssql::grants::{self, InstanceCatalog, CHANGE_TABLE_ORDER_COLUMNS};
 
 /// Rows one SQLite page query returns.
 const PAGE_ROWS: i64 = 2000;
 
-/// A simulator file as a CDC source (`sim://PATH`).
+/// A simulator file as a CDC source (`sim://PATH`, or `sim://PATH?user=NAME`
+/// to read as a database user).
 #[derive(Debug, Clone)]
 pub struct SimSource {
     path: PathBuf,
+    /// The database user the calls run as; None: the database owner.
+    login: Option<String>,
+}
+
+/// Splits `sim://PATH[?user=NAME]` into the file and the database user
+/// (None: the owner). The user sits in a parameter, not before the path as
+/// in `mssql://user@host`, because a path may hold an `@`; the only
+/// parameter is `user`, and anything else is refused rather than ignored.
+pub fn parse_url(url: &str) -> Result<(PathBuf, Option<String>), SourceError> {
+    let rest = url.strip_prefix("sim://").ok_or_else(|| SourceError::Config(format!("'{url}' is not a simulator URL; write sim://PATH")))?;
+    let (path, query) = match rest.split_once('?') {
+        Some((p, q)) => (p, q),
+        None => (rest, ""),
+    };
+    let mut login = None;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("user", v)) if !v.trim().is_empty() => login = Some(v.trim().to_string()),
+            _ => {
+                return Err(SourceError::Config(format!(
+                    "'{pair}' in the simulator URL {url} is not a parameter it takes: the only one is user=NAME, the database user to read as"
+                )))
+            }
+        }
+    }
+    Ok((PathBuf::from(path), login))
 }
 
 impl SimSource {
-    /// Opens a simulator file; a `Config` error naming the path when it is
-    /// missing or not a simulator database.
+    /// Opens a simulator file as its owner; a `Config` error naming the path
+    /// when it is missing or not a simulator database.
     pub fn open(path: &Path) -> Result<SimSource, SourceError> {
-        db::open_conn(path).map_err(|e| SourceError::Config(format!("cannot open sim://{}: {e}", path.display())))?;
-        Ok(SimSource { path: path.to_path_buf() })
+        SimSource::open_as(path, None)
     }
 
-    /// Opens `sim://PATH`.
+    /// Opens a simulator file as the database user `login` (None: the
+    /// owner). A user the file does not have is refused as SQL Server
+    /// refuses the login (error 18456), before any call.
+    pub fn open_as(path: &Path, login: Option<&str>) -> Result<SimSource, SourceError> {
+        let conn = db::open_conn(path).map_err(|e| SourceError::Config(format!("cannot open sim://{}: {e}", path.display())))?;
+        let guard = Guard::load(&conn, path, login)?;
+        Ok(SimSource { path: path.to_path_buf(), login: guard.login().map(str::to_string) })
+    }
+
+    /// Opens `sim://PATH` or `sim://PATH?user=NAME`.
     pub fn from_url(url: &str) -> Result<SimSource, SourceError> {
-        let p = url
-            .strip_prefix("sim://")
-            .ok_or_else(|| SourceError::Config(format!("'{url}' is not a simulator URL; write sim://PATH")))?;
-        SimSource::open(Path::new(p))
+        let (path, login) = parse_url(url)?;
+        SimSource::open_as(&path, login.as_deref())
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
+    /// The database user the calls run as (None: the owner).
+    pub fn login(&self) -> Option<&str> {
+        self.login.as_deref()
+    }
+
     fn url(&self) -> String {
-        format!("sim://{}", self.path.display())
+        match &self.login {
+            Some(u) => format!("sim://{}?user={u}", self.path.display()),
+            None => format!("sim://{}", self.path.display()),
+        }
     }
 
     /// Runs `f` on a fresh connection on a blocking thread, after the latency and a capture scan.
@@ -84,11 +133,19 @@ impl SimSource {
         let isolation = if fence.is_some() { Isolation::ReadCommitted } else { read.isolation };
         // A locking read waits behind a writer's lock; a SNAPSHOT read reads row versions.
         let locking = (isolation == Isolation::ReadCommitted).then(|| read.table.clone());
+        let login = self.login.clone();
         self.stream_with(FaultOn::Snapshot, read.batch_rows, fence, locking, move |conn, path, cfg, sink| {
             check_isolation(cfg, isolation, path)?;
+            let g = Guard::load(conn, path, login.as_deref())?;
             let t = self::table(conn, path, &read.table)?;
             let cols = read_positions(conn, path, &t, &read.columns)?;
             let key_pos = key_positions(&t, &read.keys)?;
+            // The SELECT names the columns the table still has, and its WHERE the key columns.
+            let mut read_names: Vec<String> = cols.iter().flatten().map(|&i| t.spec.columns[i].name.clone()).collect();
+            if read.range.lo.is_some() || read.range.hi.is_some() {
+                read_names.extend(key_pos.iter().map(|&i| t.spec.columns[i].name.clone()));
+            }
+            read_columns(&g, &t, &read_names)?;
             // The statement fails before any row is read when a bound does not convert.
             let pred = RangePredicate::new(&key_types(&t, &key_pos), &read.range)?;
             let plan = plan_range(&t, &key_pos, pred.typed());
@@ -555,6 +612,24 @@ fn table(conn: &Connection, path: &Path, name: &TableName) -> Result<TableMeta, 
     db::find_table(conn, path, name).map_err(|e| map_err(path, e))
 }
 
+/// The source table as the catalog shows it to the caller (`sys.columns`,
+/// `OBJECT_ID`): a table it has no permission on does not exist for it, as a
+/// missing one does not (the client cannot tell them apart, and says both).
+fn visible_table(conn: &Connection, path: &Path, g: &Guard, name: &TableName) -> Result<TableMeta, SourceError> {
+    match db::find_table(conn, path, name) {
+        Ok(t) if g.sees(&t.spec.name.schema, &t.spec.name.name) => Ok(t),
+        Ok(_) => Err(grants::table_hidden(name, g.login())),
+        Err(SimError::NoSuchTable(_)) if g.login().is_some() => Err(grants::table_hidden(name, g.login())),
+        Err(e) => Err(map_err(path, e)),
+    }
+}
+
+/// A statement that reads `columns` of the source table `t` (none: `COUNT_BIG(*)`).
+fn read_columns(g: &Guard, t: &TableMeta, columns: &[String]) -> Result<(), SourceError> {
+    let names: Vec<&str> = columns.iter().map(String::as_str).collect();
+    g.check_select_columns(&t.spec.name.schema, &t.spec.name.name, &names, &g.context(None))
+}
+
 fn lsn_of(b: Vec<u8>, path: &Path) -> Result<Lsn, SourceError> {
     db::lsn_from_blob(b).map_err(|e| map_err(path, e))
 }
@@ -570,10 +645,22 @@ impl CdcSource for SimSource {
     }
 
     async fn min_lsn(&self, capture_instance: &str) -> Result<Option<Lsn>, SourceError> {
-        let name = capture_instance.to_string();
+        let (name, login) = (capture_instance.to_string(), self.login.clone());
         self.call(move |c, p, _| {
-            let i = db::find_instance(c, p, &name).map_err(|e| map_err(p, e))?;
-            Ok(i.and_then(|i| i.info.start_lsn).filter(|l| !l.is_zero()))
+            let g = Guard::load(c, p, login.as_deref())?;
+            let Some(i) = db::find_instance(c, p, &name).map_err(|e| map_err(p, e))? else { return Ok(None) };
+            let t = self::table(c, p, &i.info.table)?;
+            // The server's answer: the instance's start, or all zeros to a
+            // caller its change data is closed to (read as None, as the client reads it).
+            let open = g.opens_change_data(&t, &i);
+            let answer = if open { i.info.start_lsn.filter(|l| !l.is_zero()) } else { None };
+            if open {
+                return Ok(answer);
+            }
+            // The client then reads the instance's row of cdc.change_tables (sql::instance_catalog).
+            g.check_select_columns(CDC_SCHEMA, "change_tables", &["start_lsn", "role_name", "source_object_id", "capture_instance"], &g.context(None))?;
+            let catalog = InstanceCatalog { start_lsn: i.info.start_lsn, grants: g.instance_grants(&t, &i) };
+            grants::read_min_lsn(answer, Some(&catalog), g.login())
         })
         .await
     }
@@ -587,19 +674,54 @@ impl CdcSource for SimSource {
     }
 
     async fn table_info(&self, table: &TableName) -> Result<TableInfo, SourceError> {
-        let name = table.clone();
+        let (name, login) = (table.clone(), self.login.clone());
         self.call(move |c, p, _| {
-            let t = self::table(c, p, &name)?;
+            let g = Guard::load(c, p, login.as_deref())?;
+            let t = visible_table(c, p, &g, &name)?;
             Ok(TableInfo { name: t.spec.name.clone(), unique_key: t.unique_key(), columns: t.spec.columns })
         })
         .await
     }
 
     async fn capture_instances(&self, table: &TableName) -> Result<Vec<CaptureInstance>, SourceError> {
-        let name = table.clone();
+        let (name, login) = (table.clone(), self.login.clone());
         self.call(move |c, p, _| {
-            let t = self::table(c, p, &name)?;
-            Ok(db::load_instances(c, p, Some(t.id)).map_err(|e| map_err(p, e))?.into_iter().map(|i| i.info).collect())
+            let g = Guard::load(c, p, login.as_deref())?;
+            let ctx = g.context(None);
+            // The client's three catalog reads (sql::capture_instances,
+            // captured_columns, index_columns), in its order: the last two
+            // only when the first found an instance.
+            g.check_select_columns(
+                CDC_SCHEMA,
+                "change_tables",
+                &["capture_instance", "start_lsn", "role_name", "source_object_id", "create_date", "object_id"],
+                &ctx,
+            )?;
+            let t = match db::find_table(c, p, &name) {
+                // OBJECT_ID is NULL for a table the caller cannot see: no instance matches it.
+                Ok(t) if !g.sees(&t.spec.name.schema, &t.spec.name.name) => return Ok(vec![]),
+                Ok(t) => t,
+                Err(SimError::NoSuchTable(_)) if g.login().is_some() => return Ok(vec![]),
+                Err(e) => return Err(map_err(p, e)),
+            };
+            let instances = db::load_instances(c, p, Some(t.id)).map_err(|e| map_err(p, e))?;
+            if instances.is_empty() {
+                return Ok(vec![]);
+            }
+            g.check_select_columns(CDC_SCHEMA, "captured_columns", &["object_id", "column_name", "column_id", "column_ordinal", "is_computed"], &ctx)?;
+            g.check_select_columns(CDC_SCHEMA, "index_columns", &["object_id", "column_name", "index_ordinal"], &ctx)?;
+            let mut out = Vec::with_capacity(instances.len());
+            for i in instances {
+                // The captured columns' types come from the change table's
+                // sys.columns, which shows nothing to a caller without a
+                // permission on it: the instance would list no column, and
+                // the client refuses such an answer.
+                if !g.sees(CDC_SCHEMA, &format!("{}_CT", i.info.name)) {
+                    return Err(grants::change_table_hidden(&i.info.name, g.login()));
+                }
+                out.push(i.info);
+            }
+            Ok(out)
         })
         .await
     }
@@ -613,10 +735,31 @@ impl CdcSource for SimSource {
         batch_rows: usize,
     ) -> Result<BatchStream, SourceError> {
         let name = capture_instance.name.clone();
+        let login = self.login.clone();
         self.stream(FaultOn::Changes, batch_rows, move |conn, path, _cfg, sink| {
+            let g = Guard::load(conn, path, login.as_deref())?;
             let inst = db::find_instance(conn, path, &name)
                 .map_err(|e| map_err(path, e))?
                 .ok_or_else(|| SourceError::Config(format!("capture instance '{name}' does not exist in sim://{}", path.display())))?;
+            let t = self::table(conn, path, &inst.info.table)?;
+            let ctx = ErrorContext { range: Some((name.clone(), from, to)), ..g.context(Some(g.instance_grants(&t, &inst))) };
+            // What the client's statements touch: cdc.change_tables and the
+            // change table's catalog (sql::change_table_has_command_id), then
+            // the change function, the change table's ordering columns (when
+            // it has __$command_id and the catalog showed it) and the time mapping.
+            g.check_select_columns(CDC_SCHEMA, "change_tables", &["object_id", "capture_instance"], &ctx)?;
+            let change_table = format!("{}_CT", inst.info.name);
+            let function = format!("fn_cdc_get_all_changes_{}", inst.info.name);
+            let with_command_id = inst.ct_command_id && g.sees(CDC_SCHEMA, &change_table);
+            g.check_select_object(CDC_SCHEMA, &function, &ctx)?;
+            if with_command_id {
+                g.check_select_columns(CDC_SCHEMA, &change_table, &CHANGE_TABLE_ORDER_COLUMNS, &ctx)?;
+            }
+            g.check_select_columns(CDC_SCHEMA, "lsn_time_mapping", &["start_lsn", "tran_end_time"], &ctx)?;
+            // The function's own check: the captured columns and the gating role.
+            if !g.opens_change_data(&t, &inst) {
+                return Err(g.denied(CDC_SCHEMA, &function, None, &ctx));
+            }
             let unavailable = |reason: String| SourceError::RangeUnavailable { capture_instance: name.clone(), from, to, reason };
             let max = db::max_lsn(conn, path).map_err(|e| map_err(path, e))?;
             let Some(min) = inst.info.start_lsn else {
@@ -641,8 +784,10 @@ impl CdcSource for SimSource {
             // (before KB3030352) has none: the rows come in
             // (start_lsn, seqval, operation) order with the column NULL, and
             // the command id (kept here only as the storage key) is read as
-            // 0, so it neither orders nor leaks.
-            let ct_command_id = inst.ct_command_id;
+            // 0, so it neither orders nor leaks. A change table hidden from
+            // the caller reads as one without the column, as the client's
+            // catalog check (which finds no such column) reads it.
+            let ct_command_id = with_command_id;
             let (cmd, order) = if ct_command_id {
                 ("c.command_id", "c.start_lsn, c.command_id, c.seqval, c.operation")
             } else {
@@ -705,11 +850,12 @@ impl CdcSource for SimSource {
     }
 
     async fn key_extent(&self, table: &TableName, keys: &[String], isolation: Isolation) -> Result<Option<(Key, Key)>, SourceError> {
-        let (name, keys) = (table.clone(), keys.to_vec());
+        let (name, keys, login) = (table.clone(), keys.to_vec(), self.login.clone());
         self.call(move |c, p, cfg| {
             check_isolation(cfg, isolation, p)?;
             let tx = c.transaction().map_err(sql_err(p))?;
             let t = self::table(&tx, p, &name)?;
+            read_columns(&Guard::load(&tx, p, login.as_deref())?, &t, &keys)?;
             let key_pos = key_positions(&t, &keys)?;
             let nullable = key_pos.iter().any(|&i| t.spec.columns[i].nullable);
             let plan = plan_range(&t, &key_pos, &KeyRange::all());
@@ -759,7 +905,7 @@ impl CdcSource for SimSource {
         width: i64,
         isolation: Isolation,
     ) -> Result<Vec<(i64, u64)>, SourceError> {
-        let (name, key) = (table.clone(), key.to_string());
+        let (name, key, login) = (table.clone(), key.to_string(), self.login.clone());
         self.call(move |c, p, cfg| {
             check_isolation(cfg, isolation, p)?;
             if width <= 0 {
@@ -767,6 +913,7 @@ impl CdcSource for SimSource {
             }
             let tx = c.transaction().map_err(sql_err(p))?;
             let t = self::table(&tx, p, &name)?;
+            read_columns(&Guard::load(&tx, p, login.as_deref())?, &t, std::slice::from_ref(&key))?;
             let pos = key_positions(&t, std::slice::from_ref(&key))?[0];
             if !t.spec.columns[pos].sql_type.is_integer() {
                 return Err(SourceError::Config(format!("column '{key}' of {} is not an integer column", t.spec.name)));
@@ -812,11 +959,12 @@ impl CdcSource for SimSource {
     }
 
     async fn slice_extent(&self, table: &TableName, key: &str, lo: i64, hi: i64, isolation: Isolation) -> Result<Option<(i64, i64)>, SourceError> {
-        let (name, key) = (table.clone(), key.to_string());
+        let (name, key, login) = (table.clone(), key.to_string(), self.login.clone());
         self.call(move |c, p, cfg| {
             check_isolation(cfg, isolation, p)?;
             let tx = c.transaction().map_err(sql_err(p))?;
             let t = self::table(&tx, p, &name)?;
+            read_columns(&Guard::load(&tx, p, login.as_deref())?, &t, std::slice::from_ref(&key))?;
             let pos = key_positions(&t, std::slice::from_ref(&key))?[0];
             if !t.spec.columns[pos].sql_type.is_integer() {
                 return Err(SourceError::Config(format!("column '{key}' of {} is not an integer column", t.spec.name)));
@@ -863,11 +1011,12 @@ impl CdcSource for SimSource {
     }
 
     async fn null_count(&self, table: &TableName, key: &str, isolation: Isolation) -> Result<u64, SourceError> {
-        let (name, key) = (table.clone(), key.to_string());
+        let (name, key, login) = (table.clone(), key.to_string(), self.login.clone());
         self.call(move |c, p, cfg| {
             check_isolation(cfg, isolation, p)?;
             let tx = c.transaction().map_err(sql_err(p))?;
             let t = self::table(&tx, p, &name)?;
+            read_columns(&Guard::load(&tx, p, login.as_deref())?, &t, std::slice::from_ref(&key))?;
             let pos = key_positions(&t, std::slice::from_ref(&key))?[0];
             // Every row's stored value, read from the rows themselves (no index on a NULL).
             let mut n = 0u64;
@@ -892,7 +1041,7 @@ impl CdcSource for SimSource {
         width: i64,
         isolation: Isolation,
     ) -> Result<Vec<(i64, u64, i128)>, SourceError> {
-        let (name, key) = (table.clone(), key.to_string());
+        let (name, key, login) = (table.clone(), key.to_string(), self.login.clone());
         self.call(move |c, p, cfg| {
             check_isolation(cfg, isolation, p)?;
             if width <= 0 {
@@ -900,6 +1049,7 @@ impl CdcSource for SimSource {
             }
             let tx = c.transaction().map_err(sql_err(p))?;
             let t = self::table(&tx, p, &name)?;
+            read_columns(&Guard::load(&tx, p, login.as_deref())?, &t, std::slice::from_ref(&key))?;
             let pos = key_positions(&t, std::slice::from_ref(&key))?[0];
             if !t.spec.columns[pos].sql_type.is_integer() {
                 return Err(SourceError::Config(format!("column '{key}' of {} is not an integer column", t.spec.name)));
@@ -946,10 +1096,11 @@ impl CdcSource for SimSource {
     }
 
     async fn compare_keys(&self, table: &TableName, keys: &[String], pairs: &[(Key, Key)]) -> Result<Vec<std::cmp::Ordering>, SourceError> {
-        let (name, keys, pairs) = (table.clone(), keys.to_vec(), pairs.to_vec());
+        let (name, keys, pairs, login) = (table.clone(), keys.to_vec(), pairs.to_vec(), self.login.clone());
         self.call(move |c, p, _cfg| {
             let tx = c.transaction().map_err(sql_err(p))?;
-            let t = self::table(&tx, p, &name)?;
+            // The client reads the columns' collations from the catalog (sql::column_collations).
+            let t = visible_table(&tx, p, &Guard::load(&tx, p, login.as_deref())?, &name)?;
             let key_pos = key_positions(&t, &keys)?;
             // Each value as the comparison converts it (the bound rules of a
             // range predicate), then ordered by the simulator's sort keys.
@@ -966,11 +1117,12 @@ impl CdcSource for SimSource {
     }
 
     async fn key_seek(&self, table: &TableName, keys: &[String], range: &KeyRange, n: u64, isolation: Isolation) -> Result<Option<Key>, SourceError> {
-        let (name, keys, range) = (table.clone(), keys.to_vec(), range.clone());
+        let (name, keys, range, login) = (table.clone(), keys.to_vec(), range.clone(), self.login.clone());
         self.call(move |c, p, cfg| {
             check_isolation(cfg, isolation, p)?;
             let tx = c.transaction().map_err(sql_err(p))?;
             let t = self::table(&tx, p, &name)?;
+            read_columns(&Guard::load(&tx, p, login.as_deref())?, &t, &keys)?;
             let key_pos = key_positions(&t, &keys)?;
             let pred = RangePredicate::new(&key_types(&t, &key_pos), &range)?;
             let plan = plan_range(&t, &key_pos, pred.typed());
@@ -1024,9 +1176,20 @@ impl CdcSource for SimSource {
     }
 
     async fn row_estimate(&self, table: &TableName) -> Result<u64, SourceError> {
-        let name = table.clone();
+        let (name, login) = (table.clone(), self.login.clone());
         self.call(move |c, p, _| {
+            let g = Guard::load(c, p, login.as_deref())?;
             let t = self::table(c, p, &name)?;
+            // sp_spaceused is open to public, but resolves @objname as the
+            // catalog does: a table the caller has no permission on does not exist.
+            if !g.sees(&t.spec.name.schema, &t.spec.name.name) {
+                let text = format!(
+                    "The object '{}' does not exist in database '{}' or is invalid for this operation.",
+                    crate::mssql::sql::quote_table(&name),
+                    g.database()
+                );
+                return Err(classify_server_error_in(15009, &text, &g.context(None)));
+            }
             let n: i64 = c.query_row("SELECT count(*) FROM rows WHERE table_id = ?1", [t.id], |r| r.get(0)).map_err(sql_err(p))?;
             Ok(n as u64)
         })
@@ -1076,10 +1239,11 @@ impl CdcSource for SimSource {
     }
 
     async fn row_count(&self, table: &TableName, isolation: Isolation) -> Result<u64, SourceError> {
-        let name = table.clone();
+        let (name, login) = (table.clone(), self.login.clone());
         self.call(move |c, p, cfg| {
             check_isolation(cfg, isolation, p)?;
             let t = self::table(c, p, &name)?;
+            read_columns(&Guard::load(c, p, login.as_deref())?, &t, &[])?;
             let n: i64 = c.query_row("SELECT count(*) FROM rows WHERE table_id = ?1", [t.id], |r| r.get(0)).map_err(sql_err(p))?;
             Ok(n as u64)
         })
@@ -1095,7 +1259,7 @@ impl CdcSource for SimSource {
         width: i64,
         isolation: Isolation,
     ) -> Result<Vec<(i64, u64, i128)>, SourceError> {
-        let (name, key) = (table.clone(), key.to_string());
+        let (name, key, login) = (table.clone(), key.to_string(), self.login.clone());
         self.call(move |c, p, cfg| {
             check_isolation(cfg, isolation, p)?;
             if width <= 0 {
@@ -1103,6 +1267,7 @@ impl CdcSource for SimSource {
             }
             let tx = c.transaction().map_err(sql_err(p))?;
             let t = self::table(&tx, p, &name)?;
+            read_columns(&Guard::load(&tx, p, login.as_deref())?, &t, std::slice::from_ref(&key))?;
             let pos = key_positions(&t, std::slice::from_ref(&key))?[0];
             if !crate::source::is_date_key(&t.spec.columns[pos].sql_type) {
                 return Err(SourceError::Config(format!("column '{key}' of {} is not a date or datetime column", t.spec.name)));

@@ -797,3 +797,129 @@ async fn workloads_are_deterministic_with_the_manual_clock() {
     }
     assert_eq!(seen[0], seen[1]);
 }
+
+/// The permission model (issue 12 §5) in its own terms: SELECT on some
+/// columns reads exactly those (another column is SQL Server's error 230
+/// naming it; no grant at all is 229 on the object); any grant shows the
+/// table's metadata, none hides it; CDC's own check keeps the change data
+/// closed (all zeros from fn_cdc_get_min_lsn, 229 from the change function)
+/// until every captured column is granted and the caller is in the gating
+/// role; and the owner (no user on the URL) is never stopped.
+#[tokio::test]
+async fn column_grants_read_exactly_their_columns_and_cdc_checks_every_captured_one() {
+    let (_d, db, owner, ci) = setup(manual("2026-03-01T12:00:00Z", 10), 5);
+    let max = db.transaction(|tx| tx.insert(&orders(), order(100, "new"))).unwrap();
+    db.capture().unwrap();
+    let start = ci.start_lsn.unwrap();
+    let cols = orders_table_spec(orders()).columns;
+    let (id_customer, id_customer_amount) = (cols[..2].to_vec(), cols[..3].to_vec());
+    let rc = Isolation::ReadCommitted;
+
+    // A user the file does not have: the login fails (error 18456).
+    let e = db.source_as("nobody").unwrap_err();
+    assert!(matches!(&e, SourceError::Permission(m) if m.contains("18456") && m.contains("nobody")), "{e}");
+
+    db.create_user("reader").unwrap();
+    let src = db.source_as("reader").unwrap();
+    assert!(src.describe().ends_with("?user=reader"), "{}", src.describe());
+    // No grant: the catalog shows no table, a read of it is 229 on the object.
+    let e = src.table_info(&orders()).await.unwrap_err();
+    assert!(matches!(&e, SourceError::Config(m) if m.contains("GRANT SELECT ON OBJECT::[dbo].[orders] TO [reader]")), "{e}");
+    let e = read_all(&src, &id_customer, &["id"], KeyRange::all(), rc).await.unwrap_err();
+    assert!(matches!(&e, SourceError::Permission(m) if m.contains("error 229") && m.contains("object 'orders'")), "{e}");
+    let e = src.row_estimate(&orders()).await.unwrap_err();
+    assert!(matches!(&e, SourceError::Config(m) if m.contains("15009") && m.contains("GRANT SELECT ON OBJECT::[dbo].[orders] TO [reader]")), "{e}");
+
+    // SELECT on (id, customer): the whole table's metadata shows; those two
+    // columns read; amount is error 230 naming it, and the grant that fixes it.
+    let added = db.grant("reader", Permission::Select, "dbo.orders", &["id".into(), "customer".into()]).unwrap();
+    assert_eq!(added.len(), 2);
+    assert_eq!(src.table_info(&orders()).await.unwrap().columns.len(), cols.len());
+    assert_eq!(read_all(&src, &id_customer, &["id"], KeyRange::all(), rc).await.unwrap().len(), 6);
+    let e = read_all(&src, &id_customer_amount, &["id"], KeyRange::all(), rc).await.unwrap_err();
+    assert!(
+        matches!(&e, SourceError::Permission(m) if m.contains("error 230") && m.contains("column 'amount'")
+            && m.contains("GRANT SELECT ON OBJECT::[dbo].[orders] ([amount]) TO [reader]")),
+        "{e}"
+    );
+    // A range's WHERE reads its key column: cut on status, it is 230 too.
+    let e = src.key_extent(&orders(), &["status".to_string()], rc).await.unwrap_err();
+    assert!(matches!(&e, SourceError::Permission(m) if m.contains("column 'status'")), "{e}");
+    assert!(src.key_extent(&orders(), &["id".to_string()], rc).await.unwrap().is_some());
+    // COUNT_BIG(*) reads no column: any column grant allows it.
+    assert_eq!(src.row_count(&orders(), rc).await.unwrap(), 6);
+
+    // The catalog and the change function granted, the change table's
+    // ordering columns too; but not every captured column of the table: CDC
+    // keeps the change data closed.
+    for on in ["cdc.change_tables", "cdc.captured_columns", "cdc.index_columns", "cdc.lsn_time_mapping", "OBJECT::cdc.fn_cdc_get_all_changes_dbo_orders"] {
+        db.grant("reader", Permission::Select, on, &[]).unwrap();
+    }
+    let order_cols: Vec<String> = ["__$start_lsn", "__$seqval", "__$operation", "__$command_id"].iter().map(|c| c.to_string()).collect();
+    db.grant("reader", Permission::Select, "cdc.dbo_orders_CT", &order_cols).unwrap();
+    assert_eq!(src.capture_instances(&orders()).await.unwrap().len(), 1);
+    let e = src.min_lsn(&ci.name).await.unwrap_err();
+    assert!(
+        matches!(&e, SourceError::Permission(m)
+            if m.contains("GRANT SELECT ON OBJECT::[dbo].[orders] ([id], [customer], [amount], [status], [created_at], [note]) TO [reader]")),
+        "{e}"
+    );
+    let e = src.changes(&ci, start, max, RowFilter::All, 10).await.err().expect("the change function refuses");
+    assert!(matches!(&e, SourceError::Permission(m) if m.contains("error 229") && m.contains("'fn_cdc_get_all_changes_dbo_orders'")), "{e}");
+    // The whole table: the change data opens, and reads as the owner's.
+    db.grant("reader", Permission::Select, "OBJECT::dbo.orders", &[]).unwrap();
+    assert_eq!(src.min_lsn(&ci.name).await.unwrap(), Some(start));
+    assert_eq!(changes(&src, &ci, start, max, RowFilter::All).await, changes(&owner, &ci, start, max, RowFilter::All).await);
+
+    // Revoked, the time mapping closes the change read again (229 naming it).
+    assert_eq!(db.revoke("reader", Permission::Select, "cdc.lsn_time_mapping", &[]).unwrap(), 1);
+    let e = src.changes(&ci, start, max, RowFilter::All, 10).await.err().expect("the change read joins the time mapping");
+    assert!(matches!(&e, SourceError::Permission(m) if m.contains("GRANT SELECT ON OBJECT::[cdc].[lsn_time_mapping] TO [reader]")), "{e}");
+    db.grant("reader", Permission::Select, "cdc.lsn_time_mapping", &[]).unwrap();
+    // The ordering columns without __$command_id: 230 naming it.
+    db.revoke("reader", Permission::Select, "cdc.dbo_orders_CT", &order_cols[3..]).unwrap();
+    let e = src.changes(&ci, start, max, RowFilter::All, 10).await.err().expect("the change read selects __$command_id");
+    assert!(matches!(&e, SourceError::Permission(m) if m.contains("GRANT SELECT ON OBJECT::[cdc].[dbo_orders_CT] ([__$command_id]) TO [reader]")), "{e}");
+    db.grant("reader", Permission::Select, "cdc.dbo_orders_CT", &order_cols[3..]).unwrap();
+
+    // A gated instance: closed to a non-member, open once it is a member;
+    // the owner reads it either way.
+    let gated = db.enable_cdc_gated(&orders(), Some("dbo_orders_gated"), None, "order_readers").unwrap();
+    db.grant("reader", Permission::Select, "cdc.dbo_orders_gated_CT", &order_cols).unwrap();
+    let e = src.min_lsn(&gated.name).await.unwrap_err();
+    assert!(matches!(&e, SourceError::Permission(m) if m.contains("ALTER ROLE [order_readers] ADD MEMBER [reader]")), "{e}");
+    assert_eq!(owner.min_lsn(&gated.name).await.unwrap(), gated.start_lsn);
+    db.add_role_member("order_readers", "reader").unwrap();
+    assert_eq!(src.min_lsn(&gated.name).await.unwrap(), gated.start_lsn);
+
+    // A grant must name something the database has.
+    assert!(db.grant("reader", Permission::Select, "cdc.dbo_nothing_CT", &[]).is_err());
+    assert!(db.grant("reader", Permission::Select, "dbo.orders", &["no_such_column".into()]).is_err());
+    assert!(db.grant("ghost", Permission::Select, "dbo.orders", &[]).is_err());
+}
+
+/// The catalog hides a change table the caller has no permission on, and
+/// the instance then lists no captured column: refused, naming the grant,
+/// rather than described as capturing nothing. VIEW DEFINITION (metadata
+/// only) is enough for the catalog read.
+#[tokio::test]
+async fn a_hidden_change_table_is_refused_naming_its_grant() {
+    let (_d, db, _owner, _ci) = setup(manual("2026-03-01T12:00:00Z", 10), 2);
+    db.create_user("reader").unwrap();
+    for on in ["dbo.orders", "cdc.change_tables", "cdc.captured_columns", "cdc.index_columns"] {
+        db.grant("reader", Permission::Select, on, &[]).unwrap();
+    }
+    let src = db.source_as("reader").unwrap();
+    let e = src.capture_instances(&orders()).await.unwrap_err();
+    assert!(
+        matches!(&e, SourceError::Permission(m)
+            if m.contains("GRANT SELECT ON OBJECT::[cdc].[dbo_orders_CT] ([__$start_lsn], [__$seqval], [__$operation], [__$command_id]) TO [reader]")),
+        "{e}"
+    );
+    db.grant("reader", Permission::ViewDefinition, "OBJECT::cdc.dbo_orders_CT", &[]).unwrap();
+    assert_eq!(src.capture_instances(&orders()).await.unwrap()[0].columns.len(), 6);
+    // Without cdc.index_columns, the third catalog read fails, naming it.
+    db.revoke("reader", Permission::Select, "cdc.index_columns", &[]).unwrap();
+    let e = src.capture_instances(&orders()).await.unwrap_err();
+    assert!(matches!(&e, SourceError::Permission(m) if m.contains("GRANT SELECT ON OBJECT::[cdc].[index_columns] TO [reader]")), "{e}");
+}

@@ -689,10 +689,12 @@ impl fmt::Debug for SourceSecrets {
     }
 }
 
-/// Opens the source a workflow's URL names: `sim://PATH` or `mssql://…` (or an ADO string).
+/// Opens the source a workflow's URL names: `sim://PATH` (as the database
+/// owner, or `sim://PATH?user=NAME` as that database user) or `mssql://…`
+/// (or an ADO string).
 pub async fn open(url: &str, secrets: SourceSecrets) -> Result<SharedSource, SourceError> {
-    if let Some(path) = url.strip_prefix("sim://") {
-        return Ok(Arc::new(crate::sim::SimSource::open(std::path::Path::new(path))?));
+    if url.starts_with("sim://") {
+        return Ok(Arc::new(crate::sim::SimSource::from_url(url)?));
     }
     if url.starts_with("mssql://") || url.contains('=') {
         return Ok(Arc::new(crate::mssql::MssqlSource::connect(url, secrets).await?));
