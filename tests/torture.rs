@@ -9,11 +9,12 @@
 //! change log and rows. `MSSQL_CDC_TORTURE_SCHEDULES` sets the total
 //! (default below); a failure prints the seed and the command that replays it.
 //!
-//! Three tests force one kind of event each (`torture::Overrides`) on a few
+//! Four tests force one kind of event each (`torture::Overrides`) on a few
 //! schedules, until the schedules have met it, rather than hoping the random
 //! shares draw it: faults met, big transactions and cleanups inside the
 //! retention; a data loss recovered by a re-snapshot (full, then chunked);
-//! a data loss skipped. A failure there replays with the same test.
+//! a capture-instance switch; a data loss skipped. A failure there replays
+//! with the same test.
 //!
 //! The last test damages a finished schedule's bronze and silver and expects
 //! the checks to say so: a checker that cannot disagree checks nothing.
@@ -67,6 +68,7 @@ fn forced(what: &str, seeds: std::ops::Range<u64>, overrides: &Overrides, enough
         total.cleanups_past += r.cleanups_past;
         total.recoveries += r.recoveries;
         total.skipped_ranges += r.skipped_ranges;
+        total.switches += r.switches;
         for (k, n) in r.faults {
             *total.faults.entry(k).or_default() += n;
         }
@@ -98,6 +100,12 @@ fn forced_data_loss_is_recovered_by_a_resnapshot() {
         let overrides = Overrides { chunked: Some(chunked), cleanups: Some(true), data_loss: Some("resnapshot"), ..Default::default() };
         forced(if chunked { "data loss, chunked re-snapshot" } else { "data loss, full re-snapshot" }, seeds, &overrides, |t| t.recoveries > 0);
     }
+}
+
+#[test]
+fn forced_capture_instance_switch_is_followed() {
+    let overrides = Overrides { switch: Some(true), cleanups: Some(true), ..Default::default() };
+    forced("a capture-instance switch", 8_400_000..8_400_010, &overrides, |t| t.switches >= 3);
 }
 
 #[test]
