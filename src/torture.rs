@@ -469,12 +469,11 @@ impl Writer {
             plan.push(Op::Insert(row));
         }
         for _ in 0..rounds {
-            for i in 0..mine.len() {
-                let old = mine[i].clone();
-                let key = self.key_of(&old);
-                let mut new = old.clone();
+            for row in mine.iter_mut() {
+                let key = self.key_of(row);
+                let mut new = row.clone();
                 let last = new.len() - 1;
-                new[last] = match &old[last] {
+                new[last] = match &row[last] {
                     SqlValue::Int(v) => SqlValue::Int(v + rng.random_range(1..50)),
                     _ => SqlValue::Str(format!("u{}", rng.random_range(0..1000))),
                 };
@@ -482,7 +481,7 @@ impl Writer {
                     new[0] = SqlValue::Int(self.next);
                     self.next += 1;
                 }
-                mine[i] = new.clone();
+                *row = new.clone();
                 plan.push(Op::Update(key, new));
             }
         }
@@ -1176,6 +1175,13 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
     }
     drop(trt);
     let checked = drain_and_check(&db, &table, shape, chunked, &wf, &columns, &model)?;
+    if checked.skipped > 0 && draws.loss != DataLoss::Skip {
+        return Err(format!(
+            "the facts record {} skipped ranges, but the workflow says on_data_loss = \"{}\"",
+            checked.skipped,
+            draws.loss.name()
+        ));
+    }
     report.recoveries += checked.recoveries;
     report.skipped_ranges += checked.skipped;
     Ok(())
