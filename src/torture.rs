@@ -1,16 +1,21 @@
-//! `mssql-cdc torture`: seeded, randomized schedules of writes, steps, crashes
-//! and overlapping calls against the simulator, each checked at its end
+//! `mssql-cdc torture`: seeded, randomized schedules of writes, steps, crashes,
+//! source faults and cleanups against the simulator, each checked at its end
 //! against the simulator's own rows and change log.
 //!
 //! A schedule is drawn from one seed: a table shape (an integer primary key,
 //! a string primary key under a case-insensitive collation, a heap), a
 //! snapshot mode (full or chunked, the chunks sometimes cut on a repeated
-//! column), then a run of events: transactions of a writer (inserts,
-//! updates, deletes, key changes, keys respelled in place, set-based key
-//! swaps, duplicate heap rows), capture lag (a write left uncaptured for a
-//! while), and the calls an orchestrator makes (`stream`, `backfill`,
-//! `apply`, `reconcile`, `status`), alone or two at once, each possibly
-//! crashed and later called again.
+//! column), what it injects besides crashes (a share of calls that meet a
+//! source fault; big transactions; cleanups inside the CDC retention;
+//! cleanups past the stream, with the workflow's `stream.on_data_loss` set to
+//! `resnapshot` or `skip`; a capture-instance switch), then a run of events:
+//! transactions of a writer
+//! (inserts, updates, deletes, key changes, keys respelled in place,
+//! set-based key swaps, duplicate heap rows; in a share of schedules big
+//! ones), capture lag (a write left uncaptured for a while), cleanups, the
+//! switch, and the calls an orchestrator makes (`stream`, `backfill`, `apply`,
+//! `reconcile`, `status`), alone or two at once, each possibly crashed and
+//! later called again, some meeting a source fault armed just before them.
 //!
 //! Why crashes are cut by polls, not by named failpoints or by time: a step
 //! is an async future, and every I/O it does (a Delta read or commit, a
@@ -25,15 +30,123 @@
 //! calls, when the binary is given, run as child processes killed with
 //! SIGKILL after a random delay: the same thing from outside.
 //!
-//! The checks at the end, after the writer stops and every step has been
-//! called until it has nothing left to do, do not ask the engine:
-//! - bronze's change rows are exactly the change rows the simulator's change
-//!   function returns for the streamed range, every column, as a multiset:
-//!   none lost, none twice;
-//! - bronze's batch ranges (facts) tile the stream from S without a gap or
-//!   an overlap;
-//! - silver equals the simulator's table, every column, as a multiset;
-//! - `reconcile` is clean.
+//! # Source faults
+//!
+//! In a share of schedules a share of calls meet one fault, armed in the
+//! simulator right before the call (so a child process meets it too): a
+//! dropped connection or a numbered server error the client classifies as
+//! transient (1205 deadlock victim, 601 NOLOCK scan lost its place, 3961
+//! SNAPSHOT against a DDL, 1222 lock timeout, 40613 database unavailable,
+//! 10054 connection reset), on the next snapshot read, change read or
+//! either, after 0 to 40 rows, once or twice (a chunk read retries in
+//! process, so twice tests the retry as well). A faulted call must end with
+//! "call again later" (exit 75) or succeed, and leave nothing the final
+//! checks would see. A fault the call never met (it read nothing of that
+//! kind) is taken right after it by reads of the tester's own, so that no
+//! fault outlives the call it was drawn for: none reaches a cleanup's
+//! record, the drain or the checks.
+//!
+//! # Big transactions
+//!
+//! In a share of schedules some writer transactions are big: hundreds of
+//! fresh rows inserted, each updated one to three times (an integer key
+//! sometimes moved to a fresh key), then all but at most four deleted, in one
+//! transaction. That is thousands of change rows under one commit LSN, far
+//! more than the workflow's `max_batch_rows` (2 to 30), so the batch that
+//! reads it must run past its row limit to the transaction's end (a batch
+//! never splits a transaction), while the table, and so a chunked
+//! snapshot's plan, grows by at most four rows.
+//!
+//! # Cleanups, and the change log the model keeps
+//!
+//! A cleanup moves the capture instance's min LSN up to a watermark (the
+//! commit LSN of a change row, as a real cleanup's watermark is a real LSN)
+//! and deletes the change rows below it, as `sys.sp_cdc_cleanup_change_table`
+//! does. *Inside the retention* the watermark is at most where the stream
+//! stands (the newest batch's end, or the S of the snapshot that made its
+//! generation live, as the facts say): only changes bronze holds, or the
+//! snapshot covers, are purged, and nothing the steps do may change. *Past
+//! the stream* the watermark is more than one LSN above that, so changes the
+//! stream never read are gone. Such schedules set `on_data_loss =
+//! "resnapshot"` (with `resnapshot_interval_days = 0.0`: the anti-loop guard
+//! would otherwise stop the second loss of a schedule), or, for an integer
+//! key in full mode only, `"skip"` (a skip is refused while a chunked
+//! snapshot is open, and lost changes can leave a heap's or a respelled
+//! string key's silver where `apply` rightly refuses to go on). Schedules
+//! without cleanups past the stream keep the default `"fail"`: a loss the
+//! engine believes in there is a failure.
+//!
+//! The reference for bronze is the change log as the simulator *held* it,
+//! not as it holds it at the end, since cleanups delete rows bronze must
+//! still hold. Right before each cleanup the tester reads the change
+//! function from the instance's min LSN to the max LSN (with the model's
+//! row filter) and keeps the rows below the watermark: exactly the rows the
+//! cleanup deletes. This is exact because the capture job writes change rows
+//! in LSN order and the watermark is at most the max LSN, so every row below
+//! it is captured and none can be added below it later, and because nothing
+//! else purges (no automatic cleanup is configured, no cleanup runs while a
+//! call reads, and the min LSN only moves up). At the end the model's change
+//! log is the rows recorded so far plus what the change function returns
+//! from the min LSN to the max LSN: every change row ever captured, once.
+//! The recorded rows and each cleanup's watermark are kept in the schedule's
+//! folder (`model.json`), so that [`recheck`] runs the same checks again.
+//! Where a watermark is drawn reads the facts (the engine's claim of how far
+//! it streamed); no check does. A watermark drawn from a wrong claim only
+//! turns a cleanup inside the retention into a loss, which the checks then
+//! see as rows missing from bronze.
+//!
+//! # A capture-instance switch
+//!
+//! In a share of the schedules without a data loss, once, between two calls:
+//! a nullable column is added at the end of the table and a second capture
+//! instance (`dbo_t_v2`) is enabled at once (no write in between, so every
+//! value the column ever holds is in a change row of the newer instance),
+//! then the writer commits (its
+//! inserts and updates fill the new column from then on). The stream must
+//! follow: the older instance up to the newer one's start LSN (exclusive),
+//! the newer one from there, bronze and silver gaining the column. The model
+//! takes its change log the same way from the source's own instances: the
+//! older instance's rows below the start LSN the newer one had when it was
+//! enabled (kept in `model.json`), the newer one's from it, the added
+//! column NULL in the older rows (as bronze holds them). Both instances
+//! capture every change after that start, so the split is exact wherever the
+//! stream switches, and a cleanup inside the retention never moves the
+//! newer instance's start before the stream has switched (it stays below
+//! where the stream stands, which is below that start until the switch).
+//! Cleanups past the stream are not drawn with a switch: one that passed the
+//! newer start before the stream switched would give both instances the
+//! same start LSN, and nothing would tell the newer one.
+//!
+//! # The checks
+//!
+//! At the end, after the writer stops and every step has been called until
+//! it has nothing left to do (no faults armed, no cleanups), the checks do
+//! not ask the engine:
+//! - the facts split the stream into generations: one starts at the S of
+//!   the snapshot that made it live (its `bootstrap` or `resnapshot` row, or
+//!   its chunked `snapshot_open` row); its batch rows have ids 0, 1, 2, ...
+//!   and their ranges tile the LSNs after S without a gap or an overlap,
+//!   except that a batch with a `data_skipped` row starts where the skipped
+//!   range ends, and that range starts right after the batch before; a
+//!   generation ends where its last batch does (at S without batches) and
+//!   the next one starts after that;
+//! - bronze's change rows are exactly the model's change rows (above) of
+//!   each generation's range, from S (exclusive) to its end (the newest
+//!   generation to the max LSN), less the rows of the skipped ranges, every
+//!   column of the table as it is now, as a multiset: none lost, none twice;
+//! - every move to a newer generation matches a real purge: a cleanup ran
+//!   while the stream stood at or before the older generation's end, with a
+//!   watermark more than one LSN past that end, so the changes right after it
+//!   were gone before the stream read them;
+//! - every `data_skipped` row matches a real purge: it is certain (no cleanup
+//!   runs during a read here), its range ends at the watermark of a cleanup
+//!   that ran while the stream stood before the range's start, and (by the
+//!   bronze check) bronze holds none of the range's rows;
+//! - silver equals the simulator's table, every column, as a multiset (after
+//!   a recovery too: the newer generation's snapshot brings it back), and
+//!   `reconcile` is clean. Once a range was skipped both are left out:
+//!   silver then rightly lacks the lost changes, and no model of silver
+//!   without them is kept.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -43,20 +156,21 @@ use std::task::{Context as TaskContext, Poll};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use deltalake::arrow::array::Array;
+use deltalake::arrow::array::{Array, FixedSizeBinaryArray};
 use deltalake::arrow::record_batch::RecordBatch;
 use deltalake::arrow::util::display::array_value_to_string;
 use futures::StreamExt;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::delta;
+use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_DATA_SKIPPED, EVENT_RESNAPSHOT, EVENT_SNAPSHOT_OPEN};
 use crate::error::{StepError, EXIT_OK, EXIT_TEMPORARY};
 use crate::lsn::Lsn;
-use crate::sim::{Clock, SimConfig, SimDb, TableSpec};
-use crate::source::{CdcSource, Isolation, KeyRange, RowFilter, SnapshotRead, TableName};
+use crate::sim::{Clock, FaultOn, FaultSpec, SimConfig, SimDb, TableSpec};
+use crate::source::{CaptureInstance, CdcSource, Isolation, KeyRange, RowFilter, SnapshotRead, TableName};
 use crate::types::{ColumnDesc, SqlType, SqlValue};
 
 /// What `torture` is asked to do.
@@ -75,6 +189,32 @@ pub struct TortureArgs {
     pub dir: Option<PathBuf>,
 }
 
+/// Draws a schedule is made to take whatever its seed says (None keeps the
+/// draw): how a test makes sure an event happens instead of hoping a seed
+/// draws it. Every draw is still taken from the seed's generator, so the
+/// rest of the schedule follows the same seed; a schedule run with
+/// overrides replays only with the same overrides (`run_one_with`), not
+/// with the `mssql-cdc torture` command.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    /// "int_key", "string_key" or "heap".
+    pub shape: Option<&'static str>,
+    pub chunked: Option<bool>,
+    /// The share of calls that meet a source fault (0 to 1).
+    pub fault_share: Option<f64>,
+    /// Big transactions on or off; on also makes the schedule's first
+    /// writer transaction a big one.
+    pub big_transactions: Option<bool>,
+    /// Cleanups inside the retention on or off.
+    pub cleanups: Option<bool>,
+    /// Cleanups past the stream and the workflow's `on_data_loss` for them:
+    /// "none", "resnapshot" or "skip" (skip needs "int_key" and full mode).
+    pub data_loss: Option<&'static str>,
+    /// A capture-instance switch on or off (on needs data_loss "none"); on
+    /// also makes it happen by the schedule's third call event.
+    pub switch: Option<bool>,
+}
+
 /// The mix one run injected, and its failures.
 #[derive(Debug, Default, Clone, Serialize)]
 pub struct TortureReport {
@@ -87,9 +227,27 @@ pub struct TortureReport {
     pub kills: u32,
     pub overlaps: u32,
     pub transactions: u32,
+    /// Writer transactions of hundreds of rows (thousands of change rows).
+    pub big_transactions: u32,
     /// Schedules whose capture job lagged behind the commits.
     pub lagged: u32,
     pub temporary_exits: u32,
+    /// Source faults armed before a call, by kind (`dropped_connection`, `error_1205`, ...).
+    pub faults: BTreeMap<String, u32>,
+    /// Armed faults a call (or one of two overlapping calls) met.
+    pub faults_met: u32,
+    /// Cleanups that purged only what the stream had read.
+    pub cleanups: u32,
+    /// Cleanups that purged changes the stream had not read (data loss).
+    pub cleanups_past: u32,
+    /// Schedules by the workflow's `stream.on_data_loss`.
+    pub on_data_loss: BTreeMap<String, u32>,
+    /// Moves to a newer generation (recoveries) the final checks matched to a real purge.
+    pub recoveries: u32,
+    /// `data_skipped` rows the final checks matched to a real purge.
+    pub skipped_ranges: u32,
+    /// Capture-instance switches (a column added, a second instance enabled).
+    pub switches: u32,
     pub seconds: f64,
     /// The failing schedules: seed, what broke, the command that replays it.
     pub failed: Vec<Value>,
@@ -109,7 +267,7 @@ pub fn run(args: &TortureArgs) -> TortureReport {
             report.failed.push(json!({"seed": seed, "error": format!("cannot create {}: {e}", dir.display())}));
             continue;
         }
-        let outcome = run_schedule(seed, args, &dir, &mut report);
+        let outcome = run_schedule(seed, args, &dir, &Overrides::default(), &mut report);
         report.schedules += 1;
         match outcome {
             Ok(()) => {
@@ -184,16 +342,22 @@ struct Writer {
     shape: Shape,
     table: TableName,
     next: i64,
+    /// The table has the column a capture-instance switch added ([`EXTRA_COLUMN`], last).
+    extra: bool,
 }
 
 impl Writer {
     fn row(&self, n: i64, rng: &mut SmallRng) -> Vec<SqlValue> {
         let note = SqlValue::Str(format!("n{}", rng.random_range(0..1000)));
-        match self.shape {
+        let mut row = match self.shape {
             Shape::IntKey => vec![SqlValue::Int(n), SqlValue::Int(n % 5), note, SqlValue::Int(rng.random_range(-1000..1000))],
             Shape::StringKey => vec![SqlValue::Str(format!("k{n}")), SqlValue::Int(rng.random_range(0..100)), note],
             Shape::Heap => vec![SqlValue::Int(n % 4), SqlValue::Str(format!("t{}", n % 3)), SqlValue::Int(rng.random_range(0..5))],
+        };
+        if self.extra {
+            row.push(if rng.random_bool(0.2) { SqlValue::Null } else { SqlValue::Str(format!("x{}", rng.random_range(0..100))) });
         }
+        row
     }
 
     fn initial_rows(&mut self, n: i64, rng: &mut SmallRng) -> Vec<Vec<SqlValue>> {
@@ -215,7 +379,6 @@ impl Writer {
         let mut rows = db.rows(&self.table).map_err(|e| e.to_string())?;
         let ops = if rng.random_bool(0.1) { rng.random_range(10..40) } else { rng.random_range(1..=6) };
         let shape = self.shape;
-        let table = self.table.clone();
         let mut plan: Vec<Op> = Vec::new();
         for _ in 0..ops {
             let pick = rng.random_range(0..100);
@@ -283,20 +446,70 @@ impl Writer {
             rows[i] = new.clone();
             plan.push(Op::Update(key, new));
         }
-        db.transaction(|tx| {
-            for op in plan {
-                match op {
-                    Op::Insert(r) => tx.insert(&table, r)?,
-                    Op::Delete(k) => tx.delete(&table, &k)?,
-                    Op::Update(k, r) => tx.update(&table, &k, r)?,
-                    Op::Swap(changes) => tx.update_keys(&table, changes)?,
-                }
-            }
-            Ok(())
-        })
-        .map(|_| ())
-        .map_err(|e| format!("the writer's transaction failed: {e}"))
+        commit(db, &self.table, plan)
     }
+
+    /// A big transaction (see the module docs): `fresh` new rows inserted,
+    /// each updated `rounds` times (an integer key sometimes moved to a fresh
+    /// key), then all but at most four deleted. Returns its operations.
+    fn big_transaction(&mut self, db: &SimDb, rng: &mut SmallRng) -> Result<usize, String> {
+        let shape = self.shape;
+        // The simulator finds a heap row by scanning the table: fewer rows keep it quick.
+        let (fresh, rounds) = match shape {
+            Shape::Heap => (rng.random_range(60..200), 1),
+            _ => (rng.random_range(150..600), rng.random_range(1..=3)),
+        };
+        let mut plan: Vec<Op> = Vec::new();
+        let mut mine: Vec<Vec<SqlValue>> = Vec::new();
+        for _ in 0..fresh {
+            let n = self.next;
+            self.next += 1;
+            let row = self.row(n, rng);
+            mine.push(row.clone());
+            plan.push(Op::Insert(row));
+        }
+        for _ in 0..rounds {
+            for row in mine.iter_mut() {
+                let key = self.key_of(row);
+                let mut new = row.clone();
+                let last = new.len() - 1;
+                new[last] = match &row[last] {
+                    SqlValue::Int(v) => SqlValue::Int(v + rng.random_range(1..50)),
+                    _ => SqlValue::Str(format!("u{}", rng.random_range(0..1000))),
+                };
+                if shape == Shape::IntKey && rng.random_bool(0.1) {
+                    new[0] = SqlValue::Int(self.next);
+                    self.next += 1;
+                }
+                *row = new.clone();
+                plan.push(Op::Update(key, new));
+            }
+        }
+        let keep = rng.random_range(0..=4usize).min(mine.len());
+        for row in &mine[keep..] {
+            plan.push(Op::Delete(self.key_of(row)));
+        }
+        let ops = plan.len();
+        commit(db, &self.table, plan)?;
+        Ok(ops)
+    }
+}
+
+/// Runs a writer's planned operations as one transaction.
+fn commit(db: &SimDb, table: &TableName, plan: Vec<Op>) -> Result<(), String> {
+    db.transaction(|tx| {
+        for op in plan {
+            match op {
+                Op::Insert(r) => tx.insert(table, r)?,
+                Op::Delete(k) => tx.delete(table, &k)?,
+                Op::Update(k, r) => tx.update(table, &k, r)?,
+                Op::Swap(changes) => tx.update_keys(table, changes)?,
+            }
+        }
+        Ok(())
+    })
+    .map(|_| ())
+    .map_err(|e| format!("the writer's transaction failed: {e}"))
 }
 
 enum Op {
@@ -417,10 +630,313 @@ fn judge(step: &str, ended: Ended, report: &mut TortureReport) -> Result<(), Str
     }
 }
 
-fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, report: &mut TortureReport) -> Result<(), String> {
+/// What a schedule does when cleanups pass the stream.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum DataLoss {
+    /// No cleanup passes the stream; the workflow keeps `on_data_loss = "fail"`.
+    None,
+    Resnapshot,
+    Skip,
+}
+
+impl DataLoss {
+    fn name(self) -> &'static str {
+        match self {
+            DataLoss::None => "fail",
+            DataLoss::Resnapshot => "resnapshot",
+            DataLoss::Skip => "skip",
+        }
+    }
+
+    fn workflow_toml(self) -> &'static str {
+        match self {
+            DataLoss::None => "",
+            // 0: the anti-loop guard would stop the second loss of a schedule.
+            DataLoss::Resnapshot => "on_data_loss = \"resnapshot\"\nresnapshot_interval_days = 0.0\n",
+            DataLoss::Skip => "on_data_loss = \"skip\"\n",
+        }
+    }
+}
+
+/// What a schedule injects besides crashes (see the module docs).
+#[derive(Debug, Clone, Copy)]
+struct Draws {
+    /// The chance that a call meets a source fault (0: no faults).
+    fault_share: f64,
+    big: bool,
+    /// The first writer transaction is big (an override asked for big transactions).
+    big_first: bool,
+    /// Cleanups inside the retention.
+    cleanups: bool,
+    loss: DataLoss,
+    /// A capture-instance switch (never with a data loss).
+    switch: bool,
+    /// The switch comes by the schedule's third call event at the latest
+    /// (an override asked for it), after the stream has had calls.
+    switch_first: bool,
+}
+
+/// The column a capture-instance switch adds (nullable, last), and the
+/// instance that captures it.
+const EXTRA_COLUMN: &str = "extra";
+const NEXT_INSTANCE: &str = "dbo_t_v2";
+
+/// The change log as the simulator held it before the schedule's cleanups
+/// purged parts of it (see the module docs), the cleanups, and the
+/// capture-instance switch.
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+#[serde(default)]
+struct Model {
+    /// The change rows the cleanups deleted, each with its start LSN, as
+    /// [`change_rows`] writes them (a row recorded before a switch lacks the
+    /// added column's field: [`pad_fields`] adds it as NULL).
+    purged: Vec<(Lsn, String)>,
+    cleanups: Vec<CleanupDone>,
+    /// The start LSN [`NEXT_INSTANCE`] had when it was enabled: the model
+    /// takes the older instance's rows below it and the newer one's from it.
+    switch_start: Option<Lsn>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct CleanupDone {
+    /// Where the stream stood as the facts said when the cleanup ran.
+    streamed_to: Lsn,
+    /// The capture instance's min LSN after it: every change row below was deleted.
+    watermark: Lsn,
+    /// True when it passed the stream (a data loss).
+    past: bool,
+}
+
+fn save_model(dir: &Path, model: &Model) -> Result<(), String> {
+    let text = serde_json::to_string(model).map_err(|e| e.to_string())?;
+    std::fs::write(dir.join("model.json"), text).map_err(|e| format!("cannot write model.json: {e}"))
+}
+
+fn load_model(dir: &Path) -> Result<Model, String> {
+    match std::fs::read_to_string(dir.join("model.json")) {
+        Ok(t) => serde_json::from_str(&t).map_err(|e| format!("model.json: {e}")),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Model::default()),
+        Err(e) => Err(format!("cannot read model.json: {e}")),
+    }
+}
+
+/// Server errors the client classifies as transient (see `mssql::client`).
+const TRANSIENT_ERRORS: [u32; 6] = [1205, 601, 3961, 1222, 40613, 10054];
+
+/// Arms one fault for the next read of its kind (any process's): a dropped
+/// connection or a numbered transient error, after a few rows, once or
+/// twice. Returns how many reads it fails.
+fn arm_fault(db: &SimDb, rng: &mut SmallRng, report: &mut TortureReport) -> Result<i64, String> {
+    let on = [FaultOn::Snapshot, FaultOn::Changes, FaultOn::Any][rng.random_range(0..3)];
+    let after_rows: u64 = match rng.random_range(0..3) {
+        0 => 0,
+        1 => rng.random_range(1..4),
+        _ => rng.random_range(4..40),
+    };
+    let times: u32 = if rng.random_bool(0.2) { 2 } else { 1 };
+    let kind = if rng.random_bool(0.5) {
+        db.inject_fault(FaultSpec { on, after_rows, times }).map_err(|e| e.to_string())?;
+        "dropped_connection".to_string()
+    } else {
+        let number = TRANSIENT_ERRORS[rng.random_range(0..TRANSIENT_ERRORS.len())];
+        db.inject_server_error(on, after_rows, times, number).map_err(|e| e.to_string())?;
+        format!("error_{number}")
+    };
+    *report.faults.entry(kind).or_default() += 1;
+    Ok(times as i64)
+}
+
+/// The reads the armed faults still wait for.
+fn armed_faults(db: &SimDb) -> Result<i64, String> {
+    let status = db.status().map_err(|e| e.to_string())?;
+    Ok(status["armed_faults"].as_i64().unwrap_or(0))
+}
+
+/// Takes every fault still armed: a snapshot read and a change read of the
+/// tester's own take one each (a fault is taken when a read of its kind
+/// starts, whether the read then fails or not), until none is left.
+async fn take_faults(db: &SimDb, table: &TableName, columns: &[ColumnDesc]) -> Result<(), String> {
+    let src = db.source().map_err(|e| e.to_string())?;
+    for _ in 0..10 {
+        if armed_faults(db)? == 0 {
+            return Ok(());
+        }
+        let read = SnapshotRead { table: table.clone(), columns: columns.to_vec(), keys: vec![], range: KeyRange::all(), isolation: Isolation::ReadCommitted, batch_rows: 1000 };
+        if let Ok(mut s) = src.snapshot_read(&read).await {
+            while s.next().await.is_some() {}
+        }
+        let instances = src.capture_instances(table).await.map_err(|e| e.to_string())?;
+        let max = src.max_lsn().await.map_err(|e| e.to_string())?;
+        if let (Some(instance), Some(max)) = (instances.last(), max) {
+            if let Ok(mut s) = src.changes(instance, max, max, RowFilter::All, 1000).await {
+                while s.next().await.is_some() {}
+            }
+        }
+    }
+    Err("source faults stayed armed after ten reads of each kind".into())
+}
+
+/// The LSN a facts row puts its generation's stream at, for the rows that
+/// do: a batch's end, a completed snapshot's S (`bootstrap`, `resnapshot`),
+/// a chunked snapshot's S at its open (the open makes the generation live;
+/// a full snapshot's open does not, its completion does).
+fn stream_point(r: &FactRow) -> Option<Lsn> {
+    match r.event.as_deref() {
+        None if r.batch_id.is_some() => r.max_lsn,
+        Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT) => r.max_lsn,
+        Some(EVENT_SNAPSHOT_OPEN) if r.detail.as_ref().and_then(|d| d.get("mode")).and_then(Value::as_str) == Some("chunked") => r.min_lsn,
+        _ => None,
+    }
+}
+
+/// The facts rows of `app_id` (None when the facts table does not exist yet).
+async fn fact_rows(facts: &str, app_id: &str) -> Result<Option<Vec<FactRow>>, String> {
+    let Some(t) = delta::open_existing(facts, &Default::default()).await.map_err(|e| e.to_string())? else { return Ok(None) };
+    let batches = delta::query(&t, "SELECT * FROM t").await.map_err(|e| e.to_string())?;
+    let rows = crate::delta::facts::from_batches(&batches).map_err(|e| e.to_string())?;
+    Ok(Some(rows.into_iter().filter(|r| r.app_id == app_id).collect()))
+}
+
+/// [`texts`], with NULL for a name the batch lacks: a column the older
+/// capture instance does not capture, which bronze holds as NULL in its rows.
+fn texts_or_null(batch: &RecordBatch, names: &[String]) -> Result<Vec<String>, String> {
+    let arrays: Vec<Option<deltalake::arrow::array::ArrayRef>> = names.iter().map(|n| batch.column_by_name(n).cloned()).collect();
+    (0..batch.num_rows())
+        .map(|r| {
+            arrays
+                .iter()
+                .map(|a| match a {
+                    Some(a) if !a.is_null(r) => array_value_to_string(a.as_ref(), r).map_err(|e| e.to_string()),
+                    _ => Ok("\u{2400}NULL".to_string()),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(|v| v.join(" | "))
+        })
+        .collect()
+}
+
+/// A change row's text with `fields` fields: a row recorded before a
+/// capture-instance switch lacks the added (last) column, NULL in bronze.
+/// (No value the writer writes holds " | ".)
+fn pad_fields(text: &str, fields: usize) -> String {
+    let mut t = text.to_string();
+    for _ in text.split(" | ").count()..fields {
+        t.push_str(" | \u{2400}NULL");
+    }
+    t
+}
+
+/// The change log the model takes from the change function now (module
+/// docs): every row from the instance's min LSN to the max LSN, before a
+/// capture-instance switch's start LSN from the older instance, from it on
+/// from the newer one (both capture the changes after it; the stream reads
+/// each piece from one), texts over `names` (NULL where the older instance
+/// lacks a column).
+async fn current_log(src: &dyn CdcSource, table: &TableName, filter: RowFilter, names: &[String], switch_start: Option<Lsn>) -> Result<Vec<(Lsn, String)>, String> {
+    let instances = src.capture_instances(table).await.map_err(|e| e.to_string())?;
+    let Some(top) = src.max_lsn().await.map_err(|e| e.to_string())? else { return Ok(Vec::new()) };
+    // Each piece: the instance, the lowest LSN it supplies (None: its min LSN), the highest.
+    let pieces: Vec<(&CaptureInstance, Option<Lsn>, Lsn)> = match switch_start {
+        None => vec![(instances.last().ok_or("no capture instance")?, None, top)],
+        Some(start) => {
+            let older = instances.iter().find(|i| i.name != NEXT_INSTANCE).ok_or("the capture instance before the switch is gone")?;
+            let newer = instances.iter().find(|i| i.name == NEXT_INSTANCE).ok_or("the capture instance the switch enabled is gone")?;
+            vec![(older, None, top.min(start.decrement())), (newer, Some(start), top)]
+        }
+    };
+    let mut log = Vec::new();
+    for (instance, low, high) in pieces {
+        let Some(min) = src.min_lsn(&instance.name).await.map_err(|e| e.to_string())? else { continue };
+        let from = low.map_or(min, |l| l.max(min));
+        log.extend(change_rows(src, instance, from, high, filter, names).await?);
+    }
+    Ok(log)
+}
+
+/// The change rows of `instance` with `from <= __$start_lsn <= to`, read
+/// with `filter`: each row's start LSN and its text (the rank columns
+/// `__$start_lsn`, `__$seqval`, `__$operation`, `__$command_id`, then
+/// `names`; LSNs as 0x-hex, as bronze prints them).
+async fn change_rows(src: &dyn CdcSource, instance: &CaptureInstance, from: Lsn, to: Lsn, filter: RowFilter, names: &[String]) -> Result<Vec<(Lsn, String)>, String> {
+    let mut change_names = vec![
+        crate::source::CHANGE_START_LSN.to_string(),
+        crate::source::CHANGE_SEQVAL.to_string(),
+        crate::source::CHANGE_OPERATION.to_string(),
+        crate::source::CHANGE_COMMAND_ID.to_string(),
+    ];
+    change_names.extend(names.iter().cloned());
+    let mut out = Vec::new();
+    if from > to {
+        return Ok(out);
+    }
+    let mut changes = src.changes(instance, from, to, filter, 1000).await.map_err(|e| e.to_string())?;
+    while let Some(b) = changes.next().await {
+        let b = b.map_err(|e| e.to_string())?;
+        let lsns = b
+            .column_by_name(crate::source::CHANGE_START_LSN)
+            .and_then(|a| a.as_any().downcast_ref::<FixedSizeBinaryArray>().cloned())
+            .ok_or("a change batch without __$start_lsn")?;
+        for (i, t) in texts_or_null(&b, &change_names)?.into_iter().enumerate() {
+            let mut l = [0u8; 10];
+            l.copy_from_slice(lsns.value(i));
+            out.push((Lsn(l), hex_lsns(&t)));
+        }
+    }
+    Ok(out)
+}
+
+/// One cleanup (see the module docs): inside the retention (`past` false,
+/// the watermark at most where the stream stands) or past the stream (more
+/// than one LSN above it), the watermark drawn among the commit LSNs of the
+/// change rows in range. The rows it deletes are recorded in `model` first.
+/// False when there was nothing to draw from (no stream yet, nothing to purge).
+async fn cleanup(
+    db: &SimDb,
+    table: &TableName,
+    facts: &str,
+    filter: RowFilter,
+    past: bool,
+    rng: &mut SmallRng,
+    model: &mut Model,
+) -> Result<bool, String> {
+    let Some(rows) = fact_rows(facts, "t").await? else { return Ok(false) };
+    let Some(streamed) = rows.iter().filter_map(stream_point).max() else { return Ok(false) };
+    let src = db.source().map_err(|e| e.to_string())?;
+    // The table's columns now (a switch's added column once it is there).
+    let names: Vec<String> = db.table_spec(table).map_err(|e| e.to_string())?.columns.iter().map(|c| c.name.clone()).collect();
+    let log = current_log(&src, table, filter, &names, model.switch_start).await?;
+    let mut lsns: Vec<Lsn> = log.iter().map(|(l, _)| *l).collect();
+    lsns.sort();
+    lsns.dedup();
+    // Inside the retention: above the lowest row (so the cleanup purges something), at most where the stream stands.
+    let lowest = lsns.first().copied();
+    let candidates: Vec<Lsn> = if past {
+        lsns.into_iter().filter(|l| *l > streamed.increment()).collect()
+    } else {
+        lsns.into_iter().filter(|l| Some(*l) > lowest && *l <= streamed).collect()
+    };
+    if candidates.is_empty() {
+        return Ok(false);
+    }
+    let watermark = candidates[rng.random_range(0..candidates.len())];
+    model.purged.extend(log.into_iter().filter(|(l, _)| *l < watermark));
+    model.cleanups.push(CleanupDone { streamed_to: streamed, watermark, past });
+    db.cleanup_to_lsn(watermark).map_err(|e| e.to_string())?;
+    Ok(true)
+}
+
+fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides, report: &mut TortureReport) -> Result<(), String> {
     let mut rng = SmallRng::seed_from_u64(seed);
-    let shape = [Shape::IntKey, Shape::StringKey, Shape::Heap][rng.random_range(0..3)];
-    let chunked = rng.random_bool(0.5);
+    let drawn_shape = [Shape::IntKey, Shape::StringKey, Shape::Heap][rng.random_range(0..3)];
+    let shape = match overrides.shape {
+        None => drawn_shape,
+        Some("int_key") => Shape::IntKey,
+        Some("string_key") => Shape::StringKey,
+        Some("heap") => Shape::Heap,
+        Some(other) => return Err(format!("unknown shape '{other}' in the overrides")),
+    };
+    let drawn_chunked = rng.random_bool(0.5);
+    let chunked = overrides.chunked.unwrap_or(drawn_chunked);
     *report.shapes.entry(shape.name().into()).or_default() += 1;
     *report.modes.entry(if chunked { "chunked" } else { "full" }.into()).or_default() += 1;
 
@@ -434,6 +950,53 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, report: &mut TortureR
     if capture_lag_ms > 0 {
         report.lagged += 1;
     }
+
+    // What the schedule injects besides crashes (the module docs).
+    let drawn_fault_share = if rng.random_bool(0.3) { rng.random_range(0.1..0.4) } else { 0.0 };
+    let drawn_big = rng.random_bool(0.15);
+    let drawn_cleanups = rng.random_bool(0.3);
+    let loss_roll = rng.random_range(0..100);
+    let skip_roll = rng.random_bool(0.5);
+    // Skip only for an integer key in full mode (see the module docs).
+    let skip_allowed = shape == Shape::IntKey && !chunked;
+    let drawn_loss = if loss_roll < 20 {
+        if skip_allowed && skip_roll {
+            DataLoss::Skip
+        } else {
+            DataLoss::Resnapshot
+        }
+    } else {
+        DataLoss::None
+    };
+    let loss = match overrides.data_loss {
+        // A forced switch keeps the schedule free of data loss unless told otherwise.
+        None if overrides.switch == Some(true) => DataLoss::None,
+        None => drawn_loss,
+        Some("none") => DataLoss::None,
+        Some("resnapshot") => DataLoss::Resnapshot,
+        Some("skip") if skip_allowed => DataLoss::Skip,
+        Some("skip") => return Err("the overrides ask for on_data_loss = \"skip\", which needs shape \"int_key\" and full mode".into()),
+        Some(other) => return Err(format!("unknown data_loss '{other}' in the overrides")),
+    };
+    // A switch only where no cleanup passes the stream: a cleanup past the
+    // newer instance's start before the stream switched would leave the two
+    // instances with one start LSN, and no rule to tell the newer one by.
+    let drawn_switch = rng.random_bool(0.2) && loss == DataLoss::None;
+    let switch = overrides.switch.unwrap_or(drawn_switch);
+    if switch && loss != DataLoss::None {
+        return Err("the overrides ask for a capture-instance switch with a data loss; a switch needs data_loss \"none\"".into());
+    }
+    let draws = Draws {
+        fault_share: overrides.fault_share.unwrap_or(drawn_fault_share).clamp(0.0, 1.0),
+        big: overrides.big_transactions.unwrap_or(drawn_big),
+        big_first: overrides.big_transactions == Some(true),
+        cleanups: overrides.cleanups.unwrap_or(drawn_cleanups),
+        loss,
+        switch,
+        switch_first: overrides.switch == Some(true),
+    };
+    *report.on_data_loss.entry(draws.loss.name().into()).or_default() += 1;
+
     let cfg = SimConfig {
         capture_lag_ms,
         clock: Clock::Manual { start: chrono::DateTime::from_timestamp(1_772_366_400 + (seed % 1000) as i64 * 3600, 0).expect("a time"), tick_ms: 1000 },
@@ -453,7 +1016,9 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, report: &mut TortureR
     db.create_table(&TableSpec { name: table.clone(), columns: columns.clone(), primary_key, unique_index: vec![], collations: Default::default() })
         .map_err(|e| e.to_string())?;
     std::fs::write(dir.join("shape"), shape.name()).map_err(|e| e.to_string())?;
-    let mut writer = Writer { shape, table: table.clone(), next: 1 };
+    let mut model = Model::default();
+    save_model(dir, &model)?;
+    let mut writer = Writer { shape, table: table.clone(), next: 1, extra: false };
     let initial = rng.random_range(0..40);
     db.load_rows(&table, writer.initial_rows(initial, &mut rng).into_iter()).map_err(|e| e.to_string())?;
     db.enable_cdc(&table, None, None).map_err(|e| e.to_string())?;
@@ -471,11 +1036,16 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, report: &mut TortureR
         format!(
             "app_id = \"t\"\n[source]\nurl = \"sim://source.sqlite\"\n[table]\nname = \"t\"\n\
              [target]\nbronze = \"bronze\"\nfacts = \"facts\"\nsilver = \"silver\"\n\
-             [snapshot]\nbootstrap = true\n{keys_toml}{mode}[stream]\nmax_batch_rows = {}\n[reconcile]\nsample_fraction = 1.0\n",
-            rng.random_range(2..30)
+             [snapshot]\nbootstrap = true\n{keys_toml}{mode}[stream]\nmax_batch_rows = {}\n{}[reconcile]\nsample_fraction = 1.0\n",
+            rng.random_range(2..30),
+            draws.loss.workflow_toml()
         ),
     )
     .map_err(|e| e.to_string())?;
+    let facts_location = dir.join("facts").to_string_lossy().into_owned();
+    // The tester's own reads (cleanups, faults left armed) run here; each
+    // call runs on a runtime of its own.
+    let trt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
 
     let steps: &[&str] = if chunked { &["stream", "backfill", "apply", "reconcile", "status"] } else { &["stream", "apply", "reconcile", "status"] };
     let step_args = |s: &'static str| -> Vec<&'static str> {
@@ -485,10 +1055,19 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, report: &mut TortureR
         }
     };
     let mut uncaptured = false;
+    let mut bigs = 0u32;
+    let mut call_events = 0u32;
     for _ in 0..args.events {
         let roll = rng.random_range(0..100);
         if roll < 35 {
-            writer.transaction(&db, &mut rng)?;
+            let big = draws.big && ((draws.big_first && bigs == 0) || rng.random_bool(0.3));
+            if big {
+                writer.big_transaction(&db, &mut rng)?;
+                bigs += 1;
+                report.big_transactions += 1;
+            } else {
+                writer.transaction(&db, &mut rng)?;
+            }
             report.transactions += 1;
             db.advance_clock(Duration::from_secs(1)).map_err(|e| e.to_string())?;
             // Capture lag: sometimes the capture job has not read this commit yet.
@@ -501,6 +1080,35 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, report: &mut TortureR
         if uncaptured && rng.random_bool(0.5) {
             db.capture().map_err(|e| e.to_string())?;
             uncaptured = false;
+        }
+        call_events += 1;
+        // A capture-instance switch before this event's call (module docs):
+        // the column and the instance that captures it at once, then a write
+        // the newer instance captures.
+        if draws.switch && model.switch_start.is_none() && ((draws.switch_first && call_events >= 3) || rng.random_bool(0.15)) {
+            db.add_column(&table, ColumnDesc::new(EXTRA_COLUMN, SqlType::NVarChar { len: Some(16) }, true)).map_err(|e| e.to_string())?;
+            let instance = db.enable_cdc(&table, Some(NEXT_INSTANCE), None).map_err(|e| e.to_string())?;
+            model.switch_start = Some(instance.start_lsn.ok_or("the capture instance the switch enabled has no start LSN")?);
+            save_model(dir, &model)?;
+            writer.extra = true;
+            report.switches += 1;
+            writer.transaction(&db, &mut rng)?;
+            report.transactions += 1;
+            db.advance_clock(Duration::from_secs(1)).map_err(|e| e.to_string())?;
+            db.capture().map_err(|e| e.to_string())?;
+        }
+        // A cleanup before this event's call, between calls as the cleanup
+        // job runs beside the steps (never during a read: see the module docs).
+        if (draws.cleanups || draws.loss != DataLoss::None) && rng.random_bool(0.2) {
+            let past = draws.loss != DataLoss::None && (!draws.cleanups || rng.random_bool(0.5));
+            if trt.block_on(cleanup(&db, &table, &facts_location, shape.model_filter(), past, &mut rng, &mut model))? {
+                if past {
+                    report.cleanups_past += 1;
+                } else {
+                    report.cleanups += 1;
+                }
+                save_model(dir, &model)?;
+            }
         }
         let weights = |s: &str| match s {
             "stream" => 40,
@@ -521,6 +1129,8 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, report: &mut TortureR
             steps[0]
         };
         let crash = |rng: &mut SmallRng| if rng.random_bool(0.3) { Some(rng.random_range(1..600)) } else { None };
+        // A source fault for this event's call (or either of two at once).
+        let armed = if draws.fault_share > 0.0 && rng.random_bool(draws.fault_share) { arm_fault(&db, &mut rng, report)? } else { 0 };
         if roll < 85 {
             let s = draw(&mut rng);
             *report.steps.entry(s.into()).or_default() += 1;
@@ -535,10 +1145,10 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, report: &mut TortureR
                     Some((2, j)) if s == "reconcile" && j["error"].as_str().is_some_and(|e| e.contains("has no applied state yet")) => {}
                     Some((code, j)) => return Err(format!("{s} (a child process) exited {code}: {j}")),
                 }
-                continue;
+            } else {
+                let c = crash(&mut rng);
+                judge(s, call(&wf, &step_args(s), c), report)?;
             }
-            let c = crash(&mut rng);
-            judge(s, call(&wf, &step_args(s), c), report)?;
         } else {
             // Two calls at once, as two processes would make them.
             let (a, b) = (draw(&mut rng), draw(&mut rng));
@@ -555,14 +1165,43 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, report: &mut TortureR
             judge(a, ea, report)?;
             judge(b, eb, report)?;
         }
+        if armed > 0 {
+            let left = armed_faults(&db)?;
+            report.faults_met += u32::from(left < armed);
+            if left > 0 {
+                trt.block_on(take_faults(&db, &table, &columns))?;
+            }
+        }
     }
-    drain_and_check(&db, &table, shape, chunked, &wf, &columns)
+    drop(trt);
+    let checked = drain_and_check(&db, &table, shape, chunked, &wf, &columns, &model)?;
+    if checked.skipped > 0 && draws.loss != DataLoss::Skip {
+        return Err(format!(
+            "the facts record {} skipped ranges, but the workflow says on_data_loss = \"{}\"",
+            checked.skipped,
+            draws.loss.name()
+        ));
+    }
+    report.recoveries += checked.recoveries;
+    report.skipped_ranges += checked.skipped;
+    Ok(())
 }
 
 /// Runs schedule `seed` in `dir` (which must be empty) and leaves its files there.
 pub fn run_one(seed: u64, events: u32, binary: Option<PathBuf>, dir: &Path) -> Result<(), String> {
+    run_one_with(seed, events, binary, dir, &Overrides::default()).map(|_| ())
+}
+
+/// [`run_one`] with some draws forced, returning the schedule's mix: how a
+/// test makes sure a schedule injects an event (a fault met, a big
+/// transaction, a cleanup, a recovery, a skipped range). Its failure
+/// replays with the same call, not with the `mssql-cdc torture` command.
+pub fn run_one_with(seed: u64, events: u32, binary: Option<PathBuf>, dir: &Path, overrides: &Overrides) -> Result<TortureReport, String> {
     let args = TortureArgs { seed, schedules: 1, events, binary, dir: None };
-    run_schedule(seed, &args, dir, &mut TortureReport::default())
+    let mut report = TortureReport::default();
+    run_schedule(seed, &args, dir, overrides, &mut report)?;
+    report.schedules = 1;
+    Ok(report)
 }
 
 /// Checks the targets a schedule left in `dir` again (no drain): how a test
@@ -574,9 +1213,10 @@ pub fn recheck(dir: &Path) -> Result<(), String> {
         "heap" => Shape::Heap,
         other => return Err(format!("unknown shape '{other}'")),
     };
+    let model = load_model(dir)?;
     let db = SimDb::open(&dir.join("source.sqlite")).map_err(|e| e.to_string())?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
-    rt.block_on(check(&db, &TableName::new("dbo", "t"), shape, &dir.join("t.toml"), &shape.columns()))
+    rt.block_on(check(&db, &TableName::new("dbo", "t"), shape, &dir.join("t.toml"), &model)).map(|_| ())
 }
 
 /// Calls a step with no crash until it succeeds (a "call again later" is retried).
@@ -594,7 +1234,7 @@ fn call_until_ok(wf: &Path, args: &[&str]) -> Result<Value, String> {
     Err(format!("{args:?} asked to be called again 20 times in the drain"))
 }
 
-fn drain_and_check(db: &SimDb, table: &TableName, shape: Shape, chunked: bool, wf: &Path, columns: &[ColumnDesc]) -> Result<(), String> {
+fn drain_and_check(db: &SimDb, table: &TableName, shape: Shape, chunked: bool, wf: &Path, columns: &[ColumnDesc], model: &Model) -> Result<Checked, String> {
     // Past any capture lag the schedule drew (at most 4 s).
     db.advance_clock(Duration::from_secs(10)).map_err(|e| e.to_string())?;
     db.capture().map_err(|e| e.to_string())?;
@@ -609,6 +1249,10 @@ fn drain_and_check(db: &SimDb, table: &TableName, shape: Shape, chunked: bool, w
     if !caught_up {
         return Err("the stream did not catch up in 50 calls".into());
     }
+    // After a loss, silver holds the older generation's rows (some of them
+    // deleted in the lost range) until the newer snapshot is complete and
+    // applied: the check of silver during the waves below does not hold then.
+    let lossy = model.cleanups.iter().any(|c| c.past);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
     if chunked {
         let mut done = false;
@@ -621,11 +1265,16 @@ fn drain_and_check(db: &SimDb, table: &TableName, shape: Shape, chunked: bool, w
                 done = true;
                 break;
             }
+            if lossy {
+                continue;
+            }
             // The waves path, which the completion's rebuild would paper
             // over: the writer has stopped, so once the stream is caught up
             // and the waves are applied, every row silver holds (the rows of
             // the chunks read, and of keys changed since S) is the table's
             // row now, as a multiset; only rows of unread chunks may be missing.
+            // On the shape's columns: a switch's added column left out (the
+            // projection of a sub-multiset is one too).
             call_until_ok(wf, &["apply"])?;
             let (silver_rows, table_rows) = rt.block_on(silver_and_table(&src, table, &silver_location, columns, false))?;
             let extra: Vec<String> = silver_rows
@@ -643,10 +1292,13 @@ fn drain_and_check(db: &SimDb, table: &TableName, shape: Shape, chunked: bool, w
         }
     }
     call_until_ok(wf, &["apply"])?;
-    rt.block_on(check(db, table, shape, wf, columns))?;
+    let checked = rt.block_on(check(db, table, shape, wf, model))?;
     let r = call_until_ok(wf, &["reconcile"]);
     match r {
-        Ok(v) if v["clean"] == true => Ok(()),
+        Ok(v) if v["clean"] == true => Ok(checked),
+        // A skipped range leaves silver without the lost changes: reconcile rightly reports them.
+        Ok(_) if checked.skipped > 0 => Ok(checked),
+        Err(e) if checked.skipped > 0 && e.contains("exited 3") => Ok(checked),
         Ok(v) => Err(format!("reconcile is not clean after the drain: {v}")),
         Err(e) if e.contains("exited 3") => Err(format!("reconcile is not clean after the drain: {e}")),
         Err(e) => Err(e),
@@ -691,13 +1343,224 @@ fn diff(label: &str, engine: &Multiset, model: &Multiset) -> Result<(), String> 
     Err(format!("{label} differ: {}", lines.join("; ")))
 }
 
-/// The checks of the module doc, against the simulator's own rows and change function.
-async fn check(db: &SimDb, table: &TableName, shape: Shape, wf: &Path, columns: &[ColumnDesc]) -> Result<(), String> {
+/// What the final checks found, for the report.
+#[derive(Debug, Default, Clone, Copy)]
+struct Checked {
+    /// Moves to a newer generation, each matched to a real purge.
+    recoveries: u32,
+    /// `data_skipped` rows, each matched to a real purge.
+    skipped: u32,
+}
+
+/// The checks of the module doc, against the simulator's own rows and change
+/// log (with the change rows the schedule's cleanups purged, from `model`),
+/// on the table's columns as they are now (a switch's added column included).
+async fn check(db: &SimDb, table: &TableName, shape: Shape, wf: &Path, model: &Model) -> Result<Checked, String> {
     let dir = wf.parent().expect("the workflow's folder");
     let loc = |t: &str| dir.join(t).to_string_lossy().into_owned();
-    silver_matches_table(db, table, &loc("silver"), columns).await?;
-    let s = bronze_matches_change_log(db, table, &loc("bronze"), &loc("facts"), columns, shape.model_filter()).await?;
-    batch_ranges_tile(&loc("facts"), "t", s).await
+    let columns = db.table_spec(table).map_err(|e| e.to_string())?.columns;
+    let rows = fact_rows(&loc("facts"), "t").await?.ok_or("facts was never created")?;
+    let gens = generations(&rows)?;
+    let skipped: usize = gens.iter().map(|g| g.skips.len()).sum();
+    if skipped == 0 {
+        silver_matches_table(db, table, &loc("silver"), &columns).await?;
+    }
+    bronze_matches_model(db, table, &loc("bronze"), &columns, shape.model_filter(), &gens, model).await?;
+    losses_match_purges(&gens, model)?;
+    Ok(Checked { recoveries: gens.len().saturating_sub(1) as u32, skipped: skipped as u32 })
+}
+
+/// One generation of the stream as the facts record it (see the module docs).
+#[derive(Debug)]
+struct Generation {
+    number: i32,
+    /// The S of the snapshot that made it live.
+    s: Lsn,
+    /// Its last batch's end (S without batches).
+    end: Lsn,
+    skips: Vec<Skipped>,
+}
+
+/// A `data_skipped` row: `[from, to)` was skipped, and its batch read from `to`.
+#[derive(Debug)]
+struct Skipped {
+    batch: i64,
+    from: Lsn,
+    to: Lsn,
+    certain: bool,
+}
+
+/// Splits the facts into generations and checks that each one's batch
+/// rows tile the LSNs after its S (a skipped range bridging a gap only
+/// where a `data_skipped` row of that batch says so), and that each
+/// generation starts after the one before ended.
+fn generations(rows: &[FactRow]) -> Result<Vec<Generation>, String> {
+    let mut starts: BTreeMap<i32, Lsn> = BTreeMap::new();
+    let mut batches: BTreeMap<i32, Vec<&FactRow>> = BTreeMap::new();
+    let mut skips: BTreeMap<(i32, i64), Vec<Skipped>> = BTreeMap::new();
+    for r in rows {
+        match r.event.as_deref() {
+            None if r.batch_id.is_some() => batches.entry(r.generation).or_default().push(r),
+            Some(EVENT_DATA_SKIPPED) => {
+                let batch = r.batch_id.ok_or("a data_skipped row without a batch id")?;
+                let detail = r.detail.clone().unwrap_or(Value::Null);
+                let lsn = |k: &str| detail.get(k).and_then(Value::as_str).and_then(|s| Lsn::parse(s).ok());
+                let (Some(from), Some(to)) = (lsn("from"), lsn("to")) else {
+                    return Err(format!("the data_skipped row of batch {batch} (generation {}) has no range: {detail}", r.generation));
+                };
+                let certain = detail.get("certain").and_then(Value::as_bool).unwrap_or(false);
+                skips.entry((r.generation, batch)).or_default().push(Skipped { batch, from, to, certain });
+            }
+            _ => {
+                if let Some(s) = stream_point(r) {
+                    let e = starts.entry(r.generation).or_insert(s);
+                    if s < *e {
+                        *e = s;
+                    }
+                }
+            }
+        }
+    }
+    if let Some(g) = batches.keys().find(|g| !starts.contains_key(*g)) {
+        return Err(format!("the facts hold batches of generation {g}, but no snapshot that made it live"));
+    }
+    let mut out: Vec<Generation> = Vec::new();
+    for (&number, &s) in &starts {
+        let mut list = batches.remove(&number).unwrap_or_default();
+        list.sort_by_key(|r| r.batch_id);
+        let mut next_from = s.increment();
+        let mut gen_skips = Vec::new();
+        for (i, b) in list.iter().enumerate() {
+            let id = b.batch_id.expect("a batch row has a batch id");
+            if id != i as i64 {
+                return Err(format!("generation {number}: the facts' batch ids skip or repeat: batch {id} where {i} was due"));
+            }
+            let (Some(from), Some(to)) = (b.min_lsn, b.max_lsn) else {
+                return Err(format!("generation {number}: batch {id} has no range"));
+            };
+            let mut start = next_from;
+            if let Some(mut k) = skips.remove(&(number, id)) {
+                if k.len() != 1 {
+                    return Err(format!("generation {number}: batch {id} has {} data_skipped rows", k.len()));
+                }
+                let k = k.pop().expect("one skipped range");
+                if k.from != next_from {
+                    return Err(format!(
+                        "generation {number}: batch {id} skips from {}, but the previous range ended just before {next_from}: a gap or an overlap",
+                        k.from
+                    ));
+                }
+                if k.to <= k.from {
+                    return Err(format!("generation {number}: batch {id} skips an empty range [{}, {})", k.from, k.to));
+                }
+                start = k.to;
+                gen_skips.push(k);
+            }
+            if from != start {
+                return Err(format!(
+                    "generation {number}: batch {id} starts at {from}, but the previous range (or a skipped one) ended just before {start}: a gap or an overlap"
+                ));
+            }
+            if to < from.decrement() {
+                return Err(format!("generation {number}: batch {id} ends at {to} before it starts at {from}"));
+            }
+            next_from = to.increment();
+        }
+        if let Some(prev) = out.last() {
+            if s <= prev.end {
+                return Err(format!("generation {number} starts at {s}, not after generation {} ended at {}", prev.number, prev.end));
+            }
+        }
+        out.push(Generation { number, s, end: next_from.decrement(), skips: gen_skips });
+    }
+    if let Some(((g, b), _)) = skips.iter().next() {
+        return Err(format!("a data_skipped row names batch {b} of generation {g}, which has no batch row"));
+    }
+    if out.is_empty() {
+        return Err("the facts hold no snapshot that started the stream".into());
+    }
+    Ok(out)
+}
+
+/// The reference check of bronze across generations, cleanups and skips:
+/// its change rows (every column, with the rank columns) against the
+/// model's change log (the rows the cleanups purged, and what the change
+/// function returns now) of each generation's range, less the skipped
+/// ranges, as multisets.
+async fn bronze_matches_model(
+    db: &SimDb,
+    table: &TableName,
+    bronze: &str,
+    columns: &[ColumnDesc],
+    filter: RowFilter,
+    generations: &[Generation],
+    model: &Model,
+) -> Result<(), String> {
+    let names: Vec<String> = columns.iter().map(|c| c.name.clone()).collect();
+    let src = db.source().map_err(|e| e.to_string())?;
+    // The rank columns, then the table's.
+    let fields = 4 + names.len();
+    let mut log: Vec<(Lsn, String)> = model.purged.iter().map(|(l, t)| (*l, pad_fields(t, fields))).collect();
+    log.extend(current_log(&src, table, filter, &names, model.switch_start).await?);
+    let newest = generations.len() - 1;
+    let mut model_rows = Multiset::new();
+    for (lsn, text) in log {
+        let Some(g) = generations.iter().enumerate().find(|(i, g)| lsn > g.s && (*i == newest || lsn <= g.end)).map(|(_, g)| g) else {
+            continue;
+        };
+        if g.skips.iter().any(|k| lsn >= k.from && lsn < k.to) {
+            continue;
+        }
+        *model_rows.entry(text).or_default() += 1;
+    }
+    let bronze = delta::open_existing(bronze, &Default::default()).await.map_err(|e| e.to_string())?.ok_or("bronze was never created")?;
+    // The command id ranks rows of one transaction: compared too.
+    let mut bronze_names = vec![
+        crate::delta::bronze::START_LSN.to_string(),
+        crate::delta::bronze::SEQVAL.to_string(),
+        crate::delta::bronze::OPERATION.to_string(),
+        crate::delta::bronze::COMMAND_ID.to_string(),
+    ];
+    bronze_names.extend(names.iter().cloned());
+    let mut held = Multiset::new();
+    for b in delta::query(&bronze, "SELECT * FROM t WHERE _operation <> 0").await.map_err(|e| e.to_string())? {
+        for t in texts(&b, &bronze_names)? {
+            *held.entry(t).or_default() += 1;
+        }
+    }
+    diff("bronze's change rows (target) and the simulator's change log (source)", &held, &model_rows)
+}
+
+/// Every move to a newer generation and every skipped range matches a
+/// purge the tester made before the stream read the range (module docs).
+fn losses_match_purges(generations: &[Generation], model: &Model) -> Result<(), String> {
+    for w in generations.windows(2) {
+        let (old, new) = (&w[0], &w[1]);
+        if !model.cleanups.iter().any(|c| c.streamed_to <= old.end && c.watermark > old.end.increment()) {
+            return Err(format!(
+                "generation {} started (S {}) after generation {} ended at {}, but no cleanup purged the changes right after that end \
+                 before the stream read them: a recovery without a real loss",
+                new.number, new.s, old.number, old.end
+            ));
+        }
+    }
+    for g in generations {
+        for k in &g.skips {
+            if !k.certain {
+                return Err(format!(
+                    "generation {}: batch {} records an uncertain skip of [{}, {}) (cleanup during the read), but no cleanup ran during a read",
+                    g.number, k.batch, k.from, k.to
+                ));
+            }
+            if !model.cleanups.iter().any(|c| c.watermark == k.to && c.streamed_to < k.from) {
+                return Err(format!(
+                    "generation {}: batch {} skipped [{}, {}), but no cleanup purged up to {} while the stream stood before {}: a skip without a real purge",
+                    g.number, k.batch, k.from, k.to, k.to, k.from
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The reference check of silver: silver's rows against the simulator's

@@ -2,18 +2,26 @@
 //!
 //! Each test runs a share of the schedules (the test harness runs them side
 //! by side, one per core). A schedule draws a table shape, a snapshot mode,
-//! writes, calls (alone or two at once), crashes cut at a random poll, and
-//! child processes killed with SIGKILL; at its end bronze, the facts and
-//! silver are checked against the simulator's own change function and rows.
-//! `MSSQL_CDC_TORTURE_SCHEDULES` sets the total (default below); a failure
-//! prints the seed and the command that replays it.
+//! writes (big transactions among them), calls (alone or two at once),
+//! crashes cut at a random poll, child processes killed with SIGKILL, source
+//! faults, and cleanups inside the CDC retention or past the stream; at its
+//! end bronze, the facts and silver are checked against the simulator's own
+//! change log and rows. `MSSQL_CDC_TORTURE_SCHEDULES` sets the total
+//! (default below); a failure prints the seed and the command that replays it.
+//!
+//! Four tests force one kind of event each (`torture::Overrides`) on a few
+//! schedules, until the schedules have met it, rather than hoping the random
+//! shares draw it: faults met, big transactions and cleanups inside the
+//! retention; a data loss recovered by a re-snapshot (full, then chunked);
+//! a capture-instance switch; a data loss skipped. A failure there replays
+//! with the same test.
 //!
 //! The last test damages a finished schedule's bronze and silver and expects
 //! the checks to say so: a checker that cannot disagree checks nothing.
 
 mod common;
 
-use mssql_cdc::torture::{self, TortureArgs};
+use mssql_cdc::torture::{self, Overrides, TortureArgs, TortureReport};
 
 const DEFAULT_SCHEDULES: u32 = 1000;
 const SHARES: u32 = 4;
@@ -35,6 +43,81 @@ fn share(index: u32) {
     if schedules >= 50 {
         assert!(report.crashes > 0 && report.overlaps > 0, "the mix injected no crash or no overlap: {report:?}");
     }
+    if schedules >= 200 {
+        assert!(
+            report.faults_met > 0 && report.big_transactions > 0 && report.cleanups > 0,
+            "the mix injected no source fault met, no big transaction or no cleanup: {report:?}"
+        );
+    }
+}
+
+/// Runs schedules `seeds` with `overrides` until `enough` holds for their
+/// mixes summed (each schedule must pass its checks, and pass them again on
+/// `recheck`, which reads the recorded purges back from its folder).
+fn forced(what: &str, seeds: std::ops::Range<u64>, overrides: &Overrides, enough: impl Fn(&TortureReport) -> bool) {
+    let mut total = TortureReport::default();
+    for seed in seeds.clone() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = torture::run_one_with(seed, 16, Some(env!("CARGO_BIN_EXE_mssql-cdc").into()), dir.path(), overrides)
+            .unwrap_or_else(|e| panic!("schedule {seed} ({what}, {overrides:?}) failed: {e}"));
+        torture::recheck(dir.path()).unwrap_or_else(|e| panic!("schedule {seed} ({what}) passed, but not on recheck: {e}"));
+        total.schedules += 1;
+        total.faults_met += r.faults_met;
+        total.big_transactions += r.big_transactions;
+        total.cleanups += r.cleanups;
+        total.cleanups_past += r.cleanups_past;
+        total.recoveries += r.recoveries;
+        total.skipped_ranges += r.skipped_ranges;
+        total.switches += r.switches;
+        for (k, n) in r.faults {
+            *total.faults.entry(k).or_default() += n;
+        }
+        if enough(&total) {
+            eprintln!("{what}: {}", serde_json::to_string(&total).unwrap());
+            return;
+        }
+    }
+    panic!("{what}: schedules {seeds:?} never met the event they were forced to draw: {total:?}");
+}
+
+#[test]
+fn forced_faults_big_transactions_and_cleanups_pass_the_checks() {
+    let overrides = Overrides {
+        fault_share: Some(0.5),
+        big_transactions: Some(true),
+        cleanups: Some(true),
+        data_loss: Some("none"),
+        ..Default::default()
+    };
+    forced("faults, big transactions, cleanups inside the retention", 8_000_000..8_000_012, &overrides, |t| {
+        t.faults_met >= 3 && t.big_transactions >= 2 && t.cleanups >= 2
+    });
+}
+
+#[test]
+fn forced_data_loss_is_recovered_by_a_resnapshot() {
+    for (chunked, seeds) in [(false, 8_100_000..8_100_015), (true, 8_200_000..8_200_015)] {
+        let overrides = Overrides { chunked: Some(chunked), cleanups: Some(true), data_loss: Some("resnapshot"), ..Default::default() };
+        forced(if chunked { "data loss, chunked re-snapshot" } else { "data loss, full re-snapshot" }, seeds, &overrides, |t| t.recoveries > 0);
+    }
+}
+
+#[test]
+fn forced_capture_instance_switch_is_followed() {
+    let overrides = Overrides { switch: Some(true), cleanups: Some(true), ..Default::default() };
+    forced("a capture-instance switch", 8_400_000..8_400_010, &overrides, |t| t.switches >= 3);
+}
+
+#[test]
+fn forced_data_loss_is_skipped_only_over_a_real_purge() {
+    let overrides = Overrides {
+        shape: Some("int_key"),
+        chunked: Some(false),
+        cleanups: Some(false),
+        data_loss: Some("skip"),
+        ..Default::default()
+    };
+    forced("data loss, skipped", 8_300_000..8_300_015, &overrides, |t| t.skipped_ranges > 0);
 }
 
 #[test]
@@ -66,10 +149,12 @@ fn the_checks_see_a_lost_change_row_and_a_wrong_silver_row() {
     // damages the tables between them.
     let rt = tokio::runtime::Runtime::new().unwrap();
     let seqval_col = [mssql_cdc::types::ColumnDesc::new("_seqval", mssql_cdc::types::SqlType::NVarChar { len: None }, true)];
+    let no_loss = Overrides { data_loss: Some("none"), ..Default::default() };
     for seed in 7_000_000u64.. {
         assert!(seed < 7_000_050, "fifty schedules without a change row in bronze and a row in silver");
         let dir = tempfile::tempdir().unwrap();
-        torture::run_one(seed, 12, None, dir.path()).unwrap_or_else(|e| panic!("schedule {seed} failed: {e}"));
+        // No data loss: a skipped range leaves silver out of the checks.
+        torture::run_one_with(seed, 12, None, dir.path(), &no_loss).unwrap_or_else(|e| panic!("schedule {seed} failed: {e}"));
         torture::recheck(dir.path()).expect("a finished schedule passes its checks again");
         let bronze = dir.path().join("bronze").to_string_lossy().into_owned();
         let silver = dir.path().join("silver").to_string_lossy().into_owned();
@@ -99,7 +184,7 @@ fn the_checks_see_a_lost_change_row_and_a_wrong_silver_row() {
         // call got), so the row to lose is taken from this run's bronze.
         let _ = seqval;
         let dir2 = tempfile::tempdir().unwrap();
-        torture::run_one(seed, 12, None, dir2.path()).unwrap();
+        torture::run_one_with(seed, 12, None, dir2.path(), &no_loss).unwrap();
         let bronze2 = dir2.path().join("bronze").to_string_lossy().into_owned();
         rt.block_on(async {
             let t = mssql_cdc::delta::open_existing(&bronze2, &Default::default()).await.unwrap().unwrap();
