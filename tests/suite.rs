@@ -50,6 +50,8 @@ mod silver_identity;
 mod silver_keys;
 #[path = "source_bounds.rs"]
 mod source_bounds;
+#[path = "switch_before_start.rs"]
+mod switch_before_start;
 #[path = "switch_chunked.rs"]
 mod switch_chunked;
 #[path = "torture.rs"]

@@ -584,6 +584,10 @@ pub async fn ensure_open(ctx: &mut Context, kind: &str, generation: i32) -> Step
 /// [`ensure_open`] for a re-snapshot: its open row (and later its
 /// completion row) carries the data-loss gap it closes.
 pub async fn ensure_open_with_gap(ctx: &mut Context, kind: &str, generation: i32, gap: Option<super::snapshot::Gap>) -> StepResult<OpenResult> {
+    // The chunks are read with this instance's columns: bronze must hold them
+    // all (it may be older than the instance; see stream::run).
+    let instance = ctx.instance.clone();
+    super::switch::add_bronze_columns(ctx, &instance).await?;
     let app = ctx.workflow.app_id.clone();
     let rows = state::facts_rows(&ctx.facts, &app).await?;
     if let Some(o) = chunked_of_generation(&rows).filter(|o| o.generation == generation) {

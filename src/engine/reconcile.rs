@@ -691,6 +691,21 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     let mut silver_table = delta::open_existing(&silver_loc, &ctx.storage).await?.ok_or_else(no_silver)?;
     delta::check_kind_and_migrate(&mut silver_table, &silver_loc, TableKind::Silver, &apply::silver_schema(ctx)).await?;
     apply::check_shape(ctx, &silver_table, &silver_loc)?;
+    // After the stream moved to a capture instance with more columns, silver
+    // gains them at the next apply; until then there is nothing to compare
+    // them with, and the verdict would be wrong, not late.
+    let silver_holds: Vec<String> =
+        silver_table.snapshot().map_err(StepError::delta(&silver_loc))?.schema().fields().map(|f| f.name().to_lowercase()).collect();
+    let not_in_silver: Vec<&str> =
+        ctx.instance.columns.iter().filter(|c| !silver_holds.contains(&c.name.to_lowercase())).map(|c| c.name.as_str()).collect();
+    if !not_in_silver.is_empty() {
+        return Err(StepError::Temporary(format!(
+            "silver {silver_loc} does not hold column(s) {} of capture instance '{}' yet: the stream has moved to that instance \
+             and `apply` has not run since. Run `mssql-cdc --workflow FILE apply`, then reconcile again",
+            not_in_silver.join(", "),
+            ctx.instance.name
+        )));
+    }
     let control_loc = silver::control_location_for(&silver_loc);
     let mut control_table = delta::open_existing(&control_loc, &ctx.storage).await?.ok_or_else(no_silver)?;
     delta::check_kind_and_migrate(&mut control_table, &control_loc, TableKind::Control, &crate::delta::control::schema()).await?;

@@ -291,6 +291,10 @@ pub async fn record_failed_row(ctx: &mut Context, generation: i32, s: Lsn, min_l
 pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Option<Gap>) -> StepResult<SnapshotResult> {
     // Before the open row: a read with renamed columns must not even start.
     super::check_no_renamed_columns(ctx, "a full snapshot")?;
+    // The rows are read with this instance's columns: bronze must hold them
+    // all (it may be older than the instance; see stream::run).
+    let instance = ctx.instance.clone();
+    super::switch::add_bronze_columns(ctx, &instance).await?;
     let started = Instant::now();
     let app = ctx.workflow.app_id.clone();
     let snap_txn = txn_full_snapshot(&app, generation);

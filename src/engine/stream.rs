@@ -65,6 +65,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::state::{self, StreamState, EVENT_STREAM_START};
+use super::switch;
 use super::Context;
 use crate::delta::facts::{self, FactRow, EVENT_DATA_SKIPPED};
 use crate::delta::{self, bronze, Appended, Txn};
@@ -128,6 +129,19 @@ pub struct StreamResult {
 
 /// Runs the `stream` step: bootstrap first when configured, then batches.
 pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
+    // A stream that has not started starts on the context's instance (the
+    // newest, or the pinned one). Bronze may be older than that instance: a
+    // call made before a column was added and a new instance enabled (an
+    // `apply`, a `status`) created it with the older instance's columns.
+    // Whatever the stream then wrote, snapshot rows or changes, would be cut
+    // to bronze's columns and lose the added one, and steps that select the
+    // instance's columns from bronze would fail. So bronze gains them first,
+    // as a switch gives them (`switch::switch`).
+    let started = switch::recorded_instance(&state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?).is_some();
+    if !started || ctx.workflow.table.capture_instance.is_some() {
+        let instance = ctx.instance.clone();
+        switch::add_bronze_columns(ctx, &instance).await?;
+    }
     let mut bootstrap = None;
     if ctx.workflow.snapshot.bootstrap {
         match ctx.workflow.snapshot.mode {

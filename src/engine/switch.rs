@@ -202,6 +202,21 @@ pub fn column_changes(from: &CaptureInstance, to: &CaptureInstance) -> (Vec<Stri
     (added, dropped)
 }
 
+/// Adds to bronze the columns of `instance` it does not hold (NULL in the
+/// rows it has). A no-op when bronze holds them all, as it does for the
+/// instance the stream is on.
+pub async fn add_bronze_columns(ctx: &mut Context, instance: &CaptureInstance) -> StepResult<()> {
+    let existing: Vec<String> = ctx.bronze_schema()?.fields().iter().map(|f| f.name().to_lowercase()).collect();
+    let wanted = delta::commented_schema(TableKind::Bronze, &bronze::schema(&instance.columns))?;
+    let new_fields: Vec<StructField> = wanted.fields().filter(|f| !existing.contains(&f.name().to_lowercase())).cloned().collect();
+    if !new_fields.is_empty() {
+        let label = ctx.workflow.target.bronze.clone();
+        tracing::info!(capture_instance = %instance.name, columns = ?new_fields.iter().map(|f| f.name().to_string()).collect::<Vec<_>>(), "bronze gains the capture instance's columns it lacks");
+        ctx.bronze = ctx.bronze.clone().add_columns().with_fields(new_fields).await.map_err(StepError::delta(&label))?;
+    }
+    Ok(())
+}
+
 /// Moves the stream to `to`: bronze gains its added columns, the context
 /// reads it from now on, and the event rows for the next batch are returned.
 pub async fn switch(ctx: &mut Context, generation: i32, to: CaptureInstance) -> StepResult<Vec<FactRow>> {
@@ -222,13 +237,7 @@ pub async fn switch(ctx: &mut Context, generation: i32, to: CaptureInstance) -> 
         }
     }
     if !added.is_empty() {
-        let existing: Vec<String> = ctx.bronze_schema()?.fields().iter().map(|f| f.name().to_lowercase()).collect();
-        let wanted = delta::commented_schema(TableKind::Bronze, &bronze::schema(&to.columns))?;
-        let new_fields: Vec<StructField> = wanted.fields().filter(|f| !existing.contains(&f.name().to_lowercase())).cloned().collect();
-        if !new_fields.is_empty() {
-            let label = ctx.workflow.target.bronze.clone();
-            ctx.bronze = ctx.bronze.clone().add_columns().with_fields(new_fields).await.map_err(StepError::delta(&label))?;
-        }
+        add_bronze_columns(ctx, &to).await?;
     }
     let start = to.start_lsn;
     tracing::info!(from = %from.name, to = %to.name, start = ?start, added = ?added, dropped = ?dropped, "moving the stream to the newer capture instance");
