@@ -665,8 +665,12 @@ async fn run_batch(
     // through the commit below (with the batch's txn); an attempt that stops
     // before it leaves orphans that Delta's VACUUM removes.
     let label = ctx.bronze.table_url().to_string();
-    // The writer takes bronze's schema as it is now (a switch may have added a column).
-    ctx.bronze.update_state().await.map_err(StepError::delta(&label))?;
+    // The writer takes the schema the rows are converted to (`bronze_schema`,
+    // read from the same table state), not a newer one: a concurrent call
+    // may add a column meanwhile (bronze gaining a newer instance's columns),
+    // and rows without it would not match a writer that has it. Files
+    // without the column are valid Delta data (it reads as NULL there); the
+    // commit below is made on the table's newest state.
     let mut writer = delta::streaming_writer(&ctx.bronze)?;
     let mut rows = 0usize;
     let mut cut_at: Option<Lsn> = None; // the LSN the batch ends at when it stops before to_max
