@@ -1307,6 +1307,26 @@ fn drain_and_check(db: &SimDb, table: &TableName, shape: Shape, chunked: bool, w
 
 type Multiset = BTreeMap<String, i64>;
 
+/// Bronze's change rows (not its snapshot rows) as a multiset of texts: the
+/// LSN columns and the command id (which ranks rows of one transaction, so
+/// it is compared too), then `names`.
+async fn bronze_change_rows(bronze: &deltalake::DeltaTable, names: &[String]) -> Result<Multiset, String> {
+    let mut bronze_names = vec![
+        crate::delta::bronze::START_LSN.to_string(),
+        crate::delta::bronze::SEQVAL.to_string(),
+        crate::delta::bronze::OPERATION.to_string(),
+        crate::delta::bronze::COMMAND_ID.to_string(),
+    ];
+    bronze_names.extend(names.iter().cloned());
+    let mut held = Multiset::new();
+    for b in delta::query(bronze, "SELECT * FROM t WHERE _operation <> 0").await.map_err(|e| e.to_string())? {
+        for t in texts(&b, &bronze_names)? {
+            *held.entry(t).or_default() += 1;
+        }
+    }
+    Ok(held)
+}
+
 fn texts(batch: &RecordBatch, names: &[String]) -> Result<Vec<String>, String> {
     let arrays = names
         .iter()
@@ -1514,20 +1534,7 @@ async fn bronze_matches_model(
         *model_rows.entry(text).or_default() += 1;
     }
     let bronze = delta::open_existing(bronze, &Default::default()).await.map_err(|e| e.to_string())?.ok_or("bronze was never created")?;
-    // The command id ranks rows of one transaction: compared too.
-    let mut bronze_names = vec![
-        crate::delta::bronze::START_LSN.to_string(),
-        crate::delta::bronze::SEQVAL.to_string(),
-        crate::delta::bronze::OPERATION.to_string(),
-        crate::delta::bronze::COMMAND_ID.to_string(),
-    ];
-    bronze_names.extend(names.iter().cloned());
-    let mut held = Multiset::new();
-    for b in delta::query(&bronze, "SELECT * FROM t WHERE _operation <> 0").await.map_err(|e| e.to_string())? {
-        for t in texts(&b, &bronze_names)? {
-            *held.entry(t).or_default() += 1;
-        }
-    }
+    let held = bronze_change_rows(&bronze, &names).await?;
     diff("bronze's change rows (target) and the simulator's change log (source)", &held, &model_rows)
 }
 
@@ -1620,20 +1627,7 @@ pub async fn bronze_matches_change_log(
             }
         }
     }
-    // The command id ranks rows of one transaction: compared too.
-    let mut bronze_names = vec![
-        crate::delta::bronze::START_LSN.to_string(),
-        crate::delta::bronze::SEQVAL.to_string(),
-        crate::delta::bronze::OPERATION.to_string(),
-        crate::delta::bronze::COMMAND_ID.to_string(),
-    ];
-    bronze_names.extend(names.iter().cloned());
-    let mut held = Multiset::new();
-    for b in delta::query(&bronze, "SELECT * FROM t WHERE _operation <> 0").await.map_err(|e| e.to_string())? {
-        for t in texts(&b, &bronze_names)? {
-            *held.entry(t).or_default() += 1;
-        }
-    }
+    let held = bronze_change_rows(&bronze, &names).await?;
     // LSNs print as hex in bronze and as bytes in the change batch: compare both as hex.
     let model: Multiset = model.into_iter().map(|(k, n)| (hex_lsns(&k), n)).collect();
     diff("bronze's change rows (target) and the change function's (source)", &held, &model)?;
