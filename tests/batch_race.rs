@@ -182,11 +182,11 @@ fn an_empty_batch_and_one_with_rows_for_the_same_id_have_one_outcome() {
     let mut s = Scenario::new(20, FULL);
     ok(&s, &["stream"]);
     s.changes(6);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     assert_eq!(ok(&s, &["stream"])["caught_up"], true);
     // An idle capture scan: max LSN moves past the position, no change of the table.
     s.db.advance_clock(Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
 
     // A reads (position, max] with no rows, then sleeps before its commits.
     let mut empty = Running::spawn(&s, &["stream"], "stream.after_read=sleep(6000)");
@@ -195,7 +195,7 @@ fn an_empty_batch_and_one_with_rows_for_the_same_id_have_one_outcome() {
     let empty_read_at = Instant::now();
     // Changes arrive; B reads them under the same batch id and sleeps longer.
     s.changes(5);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let mut with_rows = Running::spawn(&s, &["stream"], "stream.after_read=sleep(9000)");
     let read = with_rows.wait_for("batch read");
     assert!(!read.contains("rows=0"), "the second call reads the changes: {read}");
@@ -240,7 +240,7 @@ fn an_empty_wave_and_one_with_rows_for_the_same_wave_have_one_outcome() {
     for id in 21..=40 {
         s.db.transaction(|tx| tx.delete(&table, &vec![SqlValue::Int(id)])).unwrap();
     }
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     ok(&s, &["stream"]);
 
     let mut empty = Running::spawn(&s, &["backfill", "--max-waves", "1"], "chunked.before_wave_bronze=sleep(6000)");
@@ -250,7 +250,7 @@ fn an_empty_wave_and_one_with_rows_for_the_same_wave_have_one_outcome() {
     for id in 25..=30 {
         s.db.transaction(|tx| tx.insert(&table, item_row(id, 1))).unwrap();
     }
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let mut with_rows = Running::spawn(&s, &["backfill", "--max-waves", "1"], "chunked.before_wave_bronze=sleep(9000)");
     let read = with_rows.wait_for("wave read");
     assert!(read.contains("wave=1") && !read.contains("rows=0"), "the second call reads rows in wave 1: {read}");
@@ -322,7 +322,7 @@ fn a_call_that_sees_bronze_ahead_of_the_facts_reads_no_batch_twice() {
         }
     }
     s.changes(8);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let mut a = Running::spawn(&s, &["stream"], "stream.after_bronze=sleep(4000)");
     a.wait_for("batch read");
     // A commits its first batch to bronze right after the read, then sleeps.

@@ -101,7 +101,7 @@ async fn stream_one_transaction(rows: i64) -> Measured {
     s.next_id += rows;
     // The simulator's capture job (which holds a transaction whole while it
     // logs it) runs before the measurement: it is the server's work, not the step's.
-    s.db.capture().unwrap();
+    common::settle(&s.db);
 
     let before = reset_peak();
     let result = s.stream().await.unwrap();

@@ -31,7 +31,7 @@ fn old_server(rows: i64, extra: &str) -> Scenario {
     s.db.disable_instance(&ci.name).unwrap();
     s.db.enable_cdc_without_command_id(&s.table, Some(&ci.name), None).unwrap();
     s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s
 }
 
@@ -54,7 +54,7 @@ fn set_based_key_updates(s: &mut Scenario) -> Lsn {
         })
         .unwrap();
     s.next_id = s.next_id.max(top[4] + 2);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     lsn
 }
 
@@ -220,7 +220,7 @@ async fn error_313_met_by_the_read_recovers_in_resnapshot_mode() {
     let mut s = Scenario::new(20, &extra);
     s.stream_until_caught_up().await;
     s.changes(10);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     // The guard sees a valid range; cleanup passes it before the read checks it.
     s.db.cleanup_before_next_change_read().unwrap();
     let r = s.stream().await.unwrap();
@@ -240,7 +240,7 @@ async fn error_313_met_by_the_read_records_a_skip_in_skip_mode() {
     let mut s = Scenario::new(20, &extra);
     s.stream_until_caught_up().await;
     s.changes(10);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let min_before = s.context().await.unwrap().source.min_lsn("dbo_items").await.unwrap().unwrap();
     s.db.cleanup_before_next_change_read().unwrap();
     let r = s.stream().await.unwrap();
@@ -271,7 +271,7 @@ fn errors_601_and_3961_exit_75_and_the_rerun_goes_on() {
     assert_eq!(out.status.code(), Some(0), "{}", last_json(&out));
 
     s.changes(5);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.db.inject_server_error(FaultOn::Changes, 2, 1, 601).unwrap();
     let out = cli(&s, "stream");
     let j = last_json(&out);

@@ -247,7 +247,7 @@ async fn one_snapshot_mode_per_run() {
     assert_eq!(s.count("facts", "event = 'snapshot_open'").await, 1, "the refusals wrote nothing");
     s.changes(5);
     s.db.advance_clock(std::time::Duration::from_secs(5)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let max = s.db.max_lsn().unwrap().unwrap();
     s.db.cleanup_to_lsn(max).unwrap();
     let r = s.stream().await.unwrap();
@@ -314,7 +314,7 @@ fn heap_scenario(keys: &str) -> Scenario {
     s.db.load_rows(&heap, (1..=120).map(|i| heap_row(i, 0))).unwrap();
     s.db.enable_cdc(&heap, None, None).unwrap();
     s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.table = heap;
     let text = format!(
         "app_id = \"items\"\n[source]\nurl = \"sim://source.sqlite\"\n[table]\nname = \"heap\"\n[target]\nbronze = \"bronze\"\nfacts = \"facts\"\n\

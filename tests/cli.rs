@@ -127,7 +127,7 @@ fn purged_range_exits_3_naming_the_gap() {
     // Four days pass without the stream; cleanup purges past its position.
     s.db.advance_clock(std::time::Duration::from_secs(4 * 24 * 3600)).unwrap();
     s.changes(3);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.db.cleanup(None).unwrap();
     let out = run(&["--workflow", s.wf_path.to_str().unwrap(), "stream"]);
     let j = last_json(&out);
@@ -155,7 +155,7 @@ fn resnapshot_mode_recovers_through_the_cli_and_the_guard_exits_3() {
         s.changes(5);
         s.db.advance_clock(std::time::Duration::from_secs(4 * 24 * 3600)).unwrap();
         s.changes(3);
-        s.db.capture().unwrap();
+        common::settle(&s.db);
         s.db.cleanup(None).unwrap();
         let out = run(&["--workflow", &wf, "stream"]);
         let j = last_json(&out);

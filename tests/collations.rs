@@ -48,7 +48,7 @@ impl Case {
         db.load_rows(&table, rows.into_iter()).unwrap();
         db.enable_cdc(&table, None, None).unwrap();
         db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-        db.capture().unwrap();
+        common::settle(&db);
         let wf_path = dir.path().join(format!("{name}.toml"));
         std::fs::write(
             &wf_path,
@@ -74,7 +74,7 @@ impl Case {
         let table = self.table.clone();
         self.db.transaction(|tx| f(tx, &table)).unwrap();
         self.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
-        self.db.capture().unwrap();
+        common::settle(&self.db);
     }
 
     /// Silver must hold the simulator's rows: every column, every row, as a multiset.

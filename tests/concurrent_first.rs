@@ -159,7 +159,7 @@ fn two_first_streams_at_once_create_each_table_once() {
         }
 
         s.changes(8);
-        s.db.capture().unwrap();
+        common::settle(&s.db);
         let j = ok(&s, &["stream"]);
         assert_eq!(j["caught_up"], true, "{context}: {j}");
         let rows = facts(&rt, &s);
@@ -221,7 +221,7 @@ fn a_full_bootstrap_that_lost_at_a_higher_s_does_not_block_reseed() {
     let opens = wait_for_opens(&rt, &s, 1);
     let s_a = opens[0];
     s.changes(4);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let b = spawn(&s, &["snapshot"], &[("MSSQL_CDC_FAILPOINTS", "snapshot.after_open=sleep(8000)")]);
     let opens = wait_for_opens(&rt, &s, 2);
     let s_b = *opens.iter().max().unwrap();
@@ -237,7 +237,7 @@ fn a_full_bootstrap_that_lost_at_a_higher_s_does_not_block_reseed() {
 
     // The reseed the loser's open blocked: a copy of the table now, at max LSN.
     s.changes(3);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let copy = s.path().join("copy");
     let copied = copy_of(&rt, &s, &copy);
     let l = s.db.max_lsn().unwrap().unwrap();
@@ -248,7 +248,7 @@ fn a_full_bootstrap_that_lost_at_a_higher_s_does_not_block_reseed() {
     assert_eq!(ok(&s, &["status"])["open_snapshots"], serde_json::json!([]));
 
     s.changes(5);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let j = ok(&s, &["stream"]);
     assert_eq!(j["caught_up"], true, "{j}");
     let rows = facts(&rt, &s);

@@ -59,7 +59,7 @@ impl Heap {
         let ci = db.enable_cdc(&table, None, None).unwrap();
         assert!(ci.index_columns.is_empty(), "a heap's capture instance has no index columns");
         db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-        db.capture().unwrap();
+        common::settle(&db);
         let wf_path = dir.path().join("events.toml");
         std::fs::write(
             &wf_path,
@@ -132,7 +132,7 @@ impl Heap {
                 })
                 .unwrap();
             self.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
-            self.db.capture().unwrap();
+            common::settle(&self.db);
         }
     }
 
@@ -328,7 +328,7 @@ fn a_heap_streamed_without_before_images_is_refused_before_anything_is_written()
     new[1] = SqlValue::Str("updated".into());
     let table = h.table.clone();
     h.db.transaction(|tx| tx.update(&table, &victim, new)).unwrap();
-    h.db.capture().unwrap();
+    common::settle(&h.db);
     h.ok(&["stream"]);
     let (code, r, _) = h.run(&["apply"]);
     assert_eq!(code, Some(2), "{r}");
@@ -376,7 +376,7 @@ fn a_chunked_heap_read_ahead_of_capture_counts_each_row_once() {
     })
     .unwrap();
     h.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
-    h.db.capture().unwrap();
+    common::settle(&h.db);
     let mut waves = 0;
     loop {
         h.write(&rt, 5);
@@ -394,7 +394,7 @@ fn a_chunked_heap_read_ahead_of_capture_counts_each_row_once() {
     assert!(waves > 2, "the snapshot took several waves ({waves})");
     capture_lag(&h, 0);
     h.db.advance_clock(std::time::Duration::from_secs(5)).unwrap();
-    h.db.capture().unwrap();
+    common::settle(&h.db);
     h.ok(&["stream"]);
     let a = h.ok(&["apply"]);
     assert_eq!(a["snapshot_state"], "complete", "{a}");
@@ -417,7 +417,7 @@ fn a_full_heap_snapshot_read_ahead_of_capture_counts_each_row_once() {
     h.ok(&["apply"]);
     capture_lag(&h, 0);
     h.db.advance_clock(std::time::Duration::from_secs(5)).unwrap();
-    h.db.capture().unwrap();
+    common::settle(&h.db);
     h.ok(&["stream"]);
     h.ok(&["apply"]);
     h.assert_silver_is_the_table(&rt, "after a full snapshot read ahead of capture");

@@ -107,7 +107,7 @@ fn an_app_id_of_a_generations_form_is_refused_before_anything_is_written() {
     for _ in 0..3 {
         s.changes(4);
         s.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
-        s.db.capture().unwrap();
+        common::settle(&s.db);
         stream_until_caught_up(&s.wf_path);
         expect_ok(&s.wf_path, "apply");
     }
@@ -138,7 +138,7 @@ fn one_table_spelt_twice_or_nested_is_refused_before_anything_is_written() {
     expect_ok(&wf, "stream");
     s.changes(8);
     s.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     stream_until_caught_up(&wf);
     expect_ok(&wf, "apply");
     common::assert_targets_match_source_blocking(&s.db, &s.table, &wf);
@@ -161,7 +161,7 @@ fn a_bronze_or_an_app_id_of_another_stream_is_refused_before_anything_is_written
     s.db.load_rows(&other, (0..5).map(|i| vec![SqlValue::Str(format!("c{i}")), SqlValue::Int(i)])).unwrap();
     s.db.enable_cdc(&other, None, None).unwrap();
     s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     expect_ok(&s.wf_path, "stream");
     let before = listing(s.path());
 
@@ -199,7 +199,7 @@ fn a_bronze_or_an_app_id_of_another_stream_is_refused_before_anything_is_written
     })
     .unwrap();
     s.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     stream_until_caught_up(&s.wf_path);
     stream_until_caught_up(&wf);
     common::assert_targets_match_source_blocking(&s.db, &s.table, &s.wf_path);
@@ -223,7 +223,7 @@ fn status_writes_nothing_on_a_new_stream_and_reads_a_started_one() {
     // The stream status read goes on through changes, status between its calls.
     s.changes(8);
     s.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     expect_ok(&s.wf_path, "status");
     stream_until_caught_up(&s.wf_path);
     expect_ok(&s.wf_path, "status");
@@ -250,7 +250,7 @@ fn silver_refuses_a_key_that_delta_would_round_before_writing_silver() {
     s.db.load_rows(&name, rows.into_iter()).unwrap();
     s.db.enable_cdc(&name, None, None).unwrap();
     s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let wf = workflow(s.path(), "ticks.toml", "ticks", "ticks", "bronze_ticks", "facts_ticks", "silver = \"silver_ticks\"");
     expect_ok(&wf, "stream");
     let msg = expect_refused(&wf, "apply", "100 ns");
@@ -298,7 +298,7 @@ fn silver_refuses_a_key_that_delta_would_round_before_writing_silver() {
     .unwrap();
     s.db.transaction(|tx| tx.insert(&name, vec![SqlValue::DateTime(t0 + chrono::Duration::nanoseconds(100)), SqlValue::Int(4)])).unwrap();
     s.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     stream_until_caught_up(&wf);
     rt.block_on(async {
         // No silver (apply is refused): bronze and the facts only.

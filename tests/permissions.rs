@@ -68,7 +68,7 @@ fn scenario(gated: bool) -> Scenario {
         s.db.enable_cdc_gated(&s.table, None, Some(CAPTURED.iter().map(|c| c.to_string()).collect()), ROLE).unwrap();
         // An idle mapping row above the new instance's start.
         s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-        s.db.capture().unwrap();
+        common::settle(&s.db);
     }
     let ci = s.db.capture_instances(&s.table).unwrap();
     assert_eq!(ci[0].columns.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), CAPTURED, "the instance captures all but secret");
@@ -96,7 +96,7 @@ fn write_changes(s: &mut Scenario, n: usize) {
         })
         .unwrap();
     }
-    s.db.capture().unwrap();
+    common::settle(&s.db);
 }
 
 /// One grant of the least set, as `sim grant` takes it: the securable and its columns.

@@ -57,7 +57,7 @@ fn other_table(spec: TableSpec, rows: Vec<Vec<SqlValue>>, workflow_extra: &str) 
     s.db.load_rows(&spec.name, rows.into_iter()).unwrap();
     s.db.enable_cdc(&spec.name, None, None).unwrap();
     s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.table = spec.name.clone();
     let text = format!(
         "app_id = \"{n}\"\n[source]\nurl = \"sim://source.sqlite\"\n[table]\nname = \"{n}\"\n[target]\nbronze = \"bronze\"\nfacts = \"facts\"\nsilver = \"silver\"\n{workflow_extra}\n",
@@ -259,7 +259,7 @@ async fn lag_across_a_capture_instance_switch_is_read_per_instance_keys_only() {
         tx.update(&table, &vec![SqlValue::Int(5)], common::item_row(5, 50))
     })
     .unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let newer = s.db.enable_cdc(&table, Some("dbo_items_v2"), None).unwrap();
     let start = newer.start_lsn.unwrap();
     // In both instances.
@@ -269,7 +269,7 @@ async fn lag_across_a_capture_instance_switch_is_read_per_instance_keys_only() {
         tx.delete(&table, &vec![SqlValue::Int(9)])
     })
     .unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let max = s.db.max_lsn().unwrap().unwrap();
 
     let (r, reads) = reconcile_spied(&s).await;
@@ -308,7 +308,7 @@ async fn a_commit_not_yet_harvested_is_not_seen_and_the_next_run_clears_it() {
     let table = s.table.clone();
     let before = s.db.max_lsn().unwrap();
     s.db.transaction(|tx| tx.insert(&table, common::item_row(500, 0))).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     assert_eq!(s.db.max_lsn().unwrap(), before, "the commit is still inside the capture lag");
     let r = reconcile(&s).await;
     let j = json(&r);
@@ -318,7 +318,7 @@ async fn a_commit_not_yet_harvested_is_not_seen_and_the_next_run_clears_it() {
     assert_eq!(r.source_max_lsn, before, "{j:#}");
     // The capture job harvests it: the next run sees it in the change table.
     s.db.advance_clock(std::time::Duration::from_secs(7200)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let r = reconcile(&s).await;
     let j = json(&r);
     assert!(r.clean, "{j:#}");
@@ -344,7 +344,7 @@ async fn reconcile_checks_a_seeded_table_and_a_chunked_one() {
     mssql_cdc::seed_copy::export_parquet(&source, &s.table, &columns, &copy, 7).await.unwrap();
     let table = s.table.clone();
     s.db.transaction(|tx| tx.update(&table, &vec![SqlValue::Date(day(4))], vec![SqlValue::Date(day(4)), SqlValue::Str("later".into()), SqlValue::Int(-4)])).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let mut ctx = s.context().await.unwrap();
     seed::run(&mut ctx, &SeedArgs { copy: copy.to_string_lossy().into_owned(), as_of: AsOf::Lsn(lsn), reseed: false, allow_missing_columns: false })
         .await
@@ -391,7 +391,7 @@ async fn status_headroom_is_the_streams_instances() {
     let older = s.db.capture_instances(&s.table).unwrap()[0].clone();
     let newer = s.db.enable_cdc(&s.table, Some("dbo_items_v2"), None).unwrap();
     s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let mut ctx = Context::open_read_only(s.workflow()).await.unwrap();
     let j = engine::status::run(&mut ctx).await.unwrap();
     assert_eq!(j["capture_instance"], "dbo_items", "{j:#}");

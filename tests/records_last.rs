@@ -256,7 +256,7 @@ impl CommitsAroundReads {
                 tx.update(&self.table, &key, item_row(id, version))
             })
             .unwrap();
-        self.db.capture().unwrap();
+        common::settle(&self.db);
         let old_qty = old.expect("the row is in the table")[2].as_i64().expect("qty is an int");
         (lsn, old_qty, id * 10 + version)
     }
@@ -286,7 +286,7 @@ impl common::Hooks for CommitsAroundReads {
         let (after_lsn, after_old_qty, after_qty) = self.update(last);
         // An idle capture scan past it, so a max LSN read now lies strictly above it.
         self.db.advance_clock(Duration::from_secs(2)).unwrap();
-        self.db.capture().unwrap();
+        common::settle(&self.db);
         let late_max = self.db.max_lsn().unwrap().expect("capture has run");
         self.reads.lock().unwrap().push(AroundRead { before_id: first, before_lsn, before_qty, after_id: last, after_lsn, after_old_qty, after_qty, late_max });
         Ok(futures::stream::iter(batches).boxed())
@@ -408,10 +408,10 @@ async fn a_chunk_read_sees_commits_between_its_stamp_and_its_select_and_a_commit
 /// cleanup (3 days) purges the first ones, which the stream has not read.
 fn stop_past_the_retention(s: &mut Scenario) {
     s.changes(8);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.db.advance_clock(DAY * 4).unwrap();
     s.changes(6);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     assert!(s.db.cleanup(None).unwrap().watermark.is_some(), "cleanup ran");
 }
 
@@ -474,7 +474,7 @@ async fn a_chunked_recovery_crashed_in_its_open_reuses_the_recorded_open_or_open
         s.stream().await.unwrap();
         backfill_until_done(&s).await;
         s.changes(4);
-        s.db.capture().unwrap();
+        common::settle(&s.db);
         s.stream_until_caught_up().await;
         apply_silver(&s).await;
         let rows = facts(&s).await;
@@ -510,7 +510,7 @@ async fn a_chunked_recovery_crashed_in_its_open_reuses_the_recorded_open_or_open
 
         // The source moves on: an open taken now would be at a newer S.
         s.changes(3);
-        s.db.capture().unwrap();
+        common::settle(&s.db);
         let mut wf = s.workflow();
         if passed {
             stop_past_the_retention(&mut s);
@@ -569,7 +569,7 @@ async fn a_chunked_recovery_crashed_in_its_open_reuses_the_recorded_open_or_open
         let done = backfill_until_done(&s).await;
         assert_eq!((done.snapshot, done.generation), (Some(final_s), generation), "{case}: {done:?}");
         s.changes(4);
-        s.db.capture().unwrap();
+        common::settle(&s.db);
         s.stream_until_caught_up().await;
         apply_silver(&s).await;
 

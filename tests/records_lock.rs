@@ -121,7 +121,7 @@ fn apply_stops_holding_the_verdict_for_a_full_open_cleanup_has_passed() {
     let open_s = events(&facts(&rt, &s), "snapshot_open")[0].min_lsn.unwrap();
     s.write_workflow(&FULL_SILVER.replace("bootstrap = true", "bootstrap = false").replace("[stream]\n", "[stream]\nstart = \"latest\"\n"));
     s.changes(5);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     stream_until_caught_up(&s);
     assert_eq!(status(&s)["open_snapshots"], serde_json::json!([open_s.to_hex()]));
     let j = ok(&s, &["apply"]);
@@ -129,10 +129,10 @@ fn apply_stops_holding_the_verdict_for_a_full_open_cleanup_has_passed() {
 
     // The stream keeps running while the retention passes; cleanup passes S.
     s.changes(4);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.db.advance_clock(DAY * 4).unwrap();
     s.changes(4);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     stream_until_caught_up(&s);
     let min = s.db.cleanup(None).unwrap().watermark;
     assert!(min.is_some_and(|m| m > open_s.increment()), "cleanup passed the open's S: {min:?} vs {open_s}");
@@ -182,7 +182,7 @@ fn backfill_does_not_complete_a_chunked_snapshot_over_a_gap_after_s() {
     let j = ok(&s, &["stream"]);
     assert_eq!((j["generation"].as_i64(), j["recovery"]["mode"].as_str()), (Some(1), Some("chunked")), "{j}");
     s.changes(4);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     backfill_until_done(&s);
     stream_until_caught_up(&s);
     let rows = facts(&rt, &s);
@@ -206,17 +206,17 @@ fn snapshot_keys_are_checked_against_the_instance_the_stream_is_on() {
     let mut s = Scenario::new(20, FULL_KEYED);
     stream_until_caught_up(&s);
     s.changes(3);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let old = status(&s)["capture_instance"].as_str().unwrap().to_string();
     let columns = ["id", "name", "price", "updated"].map(String::from).to_vec();
     s.db.enable_cdc(&s.table, Some("dbo_items_v2"), Some(columns)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
 
     let (code, j) = step(&s, &["status"], &[]);
     assert_eq!(code, 0, "the stream is still on {old}, which captures qty: {j}");
     assert_eq!(j["capture_instance"], old.as_str());
     s.changes(4);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     stream_until_caught_up(&s);
     let rows = facts(&rt, &s);
     assert_eq!(events(&rows, "capture_instance_switched").len(), 1, "the stream reached the switch");
@@ -291,7 +291,7 @@ impl SpawnOutput for Command {
 /// A Parquet copy of the table as it is now, and the LSN recorded before it.
 fn copy_now(rt: &tokio::runtime::Runtime, s: &Scenario, name: &str) -> (std::path::PathBuf, Lsn) {
     use mssql_cdc::source::CdcSource;
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let recorded = s.db.max_lsn().unwrap().unwrap();
     let dir = s.path().join(name);
     rt.block_on(async {
@@ -355,7 +355,7 @@ fn backfill_refuses_keys_other_than_the_ones_stored_at_the_open() {
     assert_eq!(std::fs::read_dir(s.path().join("bronze_snapshot_plans").join("_delta_log")).unwrap().count(), plans_before);
     s.write_workflow(CHUNKED_BOOT);
     s.changes(5);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     backfill_until_done(&s);
     stream_until_caught_up(&s);
     let rows = facts(&rt, &s);
@@ -410,7 +410,7 @@ fn apply_rebuilds_silver_from_a_seed() {
     s.changes(4);
     let (copy, at) = copy_now(&rt, &s, "copy");
     s.changes(6);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let (code, j) = seed(&s, &copy, at);
     assert_eq!(code, 0, "{j}");
     stream_until_caught_up(&s);
@@ -418,7 +418,7 @@ fn apply_rebuilds_silver_from_a_seed() {
     assert_eq!((j["action"].as_str(), j["snapshot_lsn"].as_str()), (Some("rebuild"), Some(at.to_hex().as_str())), "{j}");
     assert_same_rows("silver", &silver_rows(&rt, &s), &table_rows(&s));
     s.changes(7);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     stream_until_caught_up(&s);
     ok(&s, &["apply"]);
     assert_same_rows("silver", &silver_rows(&rt, &s), &table_rows(&s));

@@ -276,7 +276,7 @@ fn updates(s: &Scenario, n: i64) -> Lsn {
     for id in 1..=n {
         last = Some(s.db.transaction(|tx| tx.update(&table, &vec![SqlValue::Int(id)], item_row(id, 1))).unwrap());
     }
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     last.expect("at least one update")
 }
 
@@ -298,10 +298,10 @@ async fn backfill_until_done(s: &Scenario) {
 /// first ones, which the stream has not read.
 fn stop_past_the_retention(s: &mut Scenario) {
     s.changes(8);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.db.advance_clock(DAY * 4).unwrap();
     s.changes(6);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     assert!(s.db.cleanup(None).unwrap().watermark.is_some(), "cleanup ran");
 }
 
@@ -334,10 +334,10 @@ async fn earliest_and_latest_starts_never_fall_inside_a_purged_range() {
         let mut s = Scenario::new(10, &format!("[stream]\nmax_batch_rows = 1000\nstart = \"{start}\"\n"));
         let created = min_lsn(&s);
         s.changes(6);
-        s.db.capture().unwrap();
+        common::settle(&s.db);
         s.db.advance_clock(DAY * 4).unwrap();
         s.changes(5);
-        s.db.capture().unwrap();
+        common::settle(&s.db);
         assert!(s.db.cleanup(None).unwrap().watermark.is_some(), "{start}: cleanup ran");
         let min = min_lsn(&s);
         let max = s.db.max_lsn().unwrap().unwrap();
@@ -360,7 +360,7 @@ async fn earliest_and_latest_starts_never_fall_inside_a_purged_range() {
             assert!(at >= max, "latest starts at the max LSN ({max}) or after it, not at {at}");
             assert!(bronze_changes(&s).await.is_empty(), "latest reads nothing committed before its start");
             s.changes(3);
-            s.db.capture().unwrap();
+            common::settle(&s.db);
             let now = s.db.max_lsn().unwrap().unwrap();
             s.stream_until_caught_up().await;
             let after = source_changes(&s, at.increment(), now).await;
@@ -482,14 +482,14 @@ async fn a_skip_is_recorded_only_by_a_batch_that_passes_its_schema_checks() {
     let batch_ids = batches(&rows, 0).len() as i64;
     let table = s.table.clone();
     s.changes(5);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.db.advance_clock(DAY * 4).unwrap();
     s.db.alter_column_type(&table, "qty", SqlType::BigInt).unwrap();
     let key = s.db.keys(&table).unwrap()[0].clone();
     let mut big = item_row(key[0].as_i64().unwrap(), 9);
     big[2] = SqlValue::Int(3_000_000_000);
     let refused = s.db.transaction(|tx| tx.update(&table, &key, big)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     assert!(s.db.cleanup(None).unwrap().watermark.is_some(), "cleanup ran");
     let min = min_lsn(&s);
     assert!(position.increment() < min && min <= refused, "a gap ({position} .. {min}) before the value ({refused})");
@@ -505,7 +505,7 @@ async fn a_skip_is_recorded_only_by_a_batch_that_passes_its_schema_checks() {
 
     s.db.advance_clock(DAY * 4).unwrap();
     s.db.transaction(|tx| tx.insert(&table, item_row(900, 1))).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     assert!(s.db.cleanup(None).unwrap().watermark.is_some(), "cleanup ran");
     let min = min_lsn(&s);
     assert!(min > refused, "cleanup passed the refused change");
@@ -613,7 +613,7 @@ fn a_possible_loss_rides_in_the_batchs_bronze_commit_and_is_recorded_once_after_
     let j = ok(&s, &["stream"]);
     assert_eq!(j["repaired_batches"], json!([batch_id]), "{j}");
     s.changes(3);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     ok(&s, &["stream"]);
     let rows = rt.block_on(facts(&s));
     let skips = events(&rows, "data_skipped");

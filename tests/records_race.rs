@@ -498,7 +498,7 @@ fn two_chunked_opens_of_one_generation_keep_one_and_both_use_it() {
     let gate = Gate::hold("chunked.after_open_plans", 1);
     let mut held = start_held(&gate, &s.wf_path, open_chunked_at);
     s.changes(4);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let second = rt.block_on(open_chunked_at(s.wf_path.clone())).unwrap().expect("the second open");
     assert!(second.opened_now, "{second:?}");
     gate.open();
@@ -688,7 +688,7 @@ fn a_wave_landing_between_applys_facts_and_plans_reads_is_taken_by_the_next_appl
 
     backfill_until_done(&rt, &s.wf_path);
     s.changes(6);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     stream_until_caught_up(&rt, &s);
     rt.block_on(apply_at(s.wf_path.clone())).unwrap();
     assert_eq!(silver_rows(&rt, &s, &columns), rt.block_on(source_rows(&s.db, &s.table, &columns)), "silver equals the table");
@@ -709,14 +709,14 @@ fn two_recoveries_at_once_record_one_recovery_and_one_resnapshot() {
     let mut s = Scenario::new(30, FULL_RESNAPSHOT);
     stream_until_caught_up(&rt, &s);
     s.changes(5);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     stream_until_caught_up(&rt, &s);
     // The stream stops past the retention: cleanup purges changes it never read.
     s.changes(6);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.db.advance_clock(DAY * 4).unwrap();
     s.changes(5);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     assert!(s.db.cleanup(None).unwrap().watermark.is_some(), "cleanup ran");
 
     let gate = Gate::hold("recover.before_recovery_row", 1);

@@ -32,7 +32,7 @@ const DAY: Duration = Duration::from_secs(24 * 3600);
 
 /// A Parquet copy of the table as it is now, and the LSN recorded before it.
 fn copy_now(rt: &tokio::runtime::Runtime, s: &Scenario, name: &str) -> (std::path::PathBuf, Lsn) {
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let recorded = s.db.max_lsn().unwrap().unwrap();
     let dir = s.path().join(name);
     rt.block_on(async {
@@ -176,7 +176,7 @@ fn a_killed_full_bootstrap_holds_the_mode_until_cleanup_passes_it() {
     assert_eq!(code, 0, "the dead open no longer blocks the seed: {j}");
     assert_eq!((j["lsn"].as_str(), j["generation"].as_i64(), j["already_seeded"].as_bool()), (Some(at.to_hex().as_str()), Some(0), Some(false)), "{j}");
     s.changes(7);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     stream_until_caught_up(&s);
     let rows = facts(&rt, &s);
     assert_eq!(events(&rows, "bootstrap").len(), 1);
@@ -266,7 +266,7 @@ fn a_dead_full_resnapshot_no_longer_blocks_reseed() {
     let (mut s, _open_s) = seeded_stream_with_a_killed_resnapshot(&rt);
     s.db.advance_clock(DAY * 4).unwrap();
     s.changes(3);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.db.cleanup(None).unwrap();
     assert_eq!(status(&s)["open_snapshots"], serde_json::json!([]));
     let (copy, at) = copy_now(&rt, &s, "copy2");
@@ -274,7 +274,7 @@ fn a_dead_full_resnapshot_no_longer_blocks_reseed() {
     assert_eq!(code, 0, "{j}");
     assert_eq!((j["generation"].as_i64(), j["already_seeded"].as_bool()), (Some(1), Some(false)), "{j}");
     s.changes(5);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     stream_until_caught_up(&s);
     let rows = facts(&rt, &s);
     assert_eq!(status(&s)["generation"], 1);
@@ -328,7 +328,7 @@ fn a_committed_resnapshot_passed_by_cleanup_is_failed_once_and_a_chunked_rerun_r
     let j = ok(&s, &["stream"]);
     assert_eq!((j["generation"].as_i64(), j["recovery"]["mode"].as_str()), (Some(1), Some("chunked")), "{j}");
     s.changes(4);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     backfill_until_done(&s);
     stream_until_caught_up(&s);
     let rows = facts(&rt, &s);
@@ -351,7 +351,7 @@ fn a_committed_resnapshot_passed_by_cleanup_then_a_full_rerun_recovers() {
     assert_eq!((j["generation"].as_i64(), j["recovery"]["mode"].as_str()), (Some(2), Some("full")), "{j}");
     assert_eq!(j["caught_up"], true, "{j}");
     s.changes(6);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     stream_until_caught_up(&s);
     let rows = facts(&rt, &s);
     assert_eq!(status(&s)["generation"], 2);
@@ -378,7 +378,7 @@ fn skip_is_refused_while_a_chunked_snapshot_is_open_and_a_resnapshot_supersedes_
     let j = ok(&s, &["backfill", "--max-waves", "1"]);
     assert_eq!(j["done"], false, "{j}");
     s.changes(5);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     stream_until_caught_up(&s);
     pass_the_retention(&mut s, 4);
     let before = versions(&rt, &s);
@@ -393,7 +393,7 @@ fn skip_is_refused_while_a_chunked_snapshot_is_open_and_a_resnapshot_supersedes_
     let j = ok(&s, &["stream"]);
     assert_eq!((j["generation"].as_i64(), j["recovery"]["mode"].as_str()), (Some(1), Some("chunked")), "{j}");
     s.changes(4);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     backfill_until_done(&s);
     stream_until_caught_up(&s);
     let rows = facts(&rt, &s);

@@ -83,7 +83,7 @@ async fn a_wave_whose_stamp_is_below_s_is_refused_until_the_source_has_caught_up
     let secondary = Scenario::new(30, CHUNKED);
     primary.changes(5);
     primary.db.advance_clock(Duration::from_secs(2)).unwrap();
-    primary.db.capture().unwrap();
+    common::settle(&primary.db);
     let opened = primary.stream().await.unwrap();
     assert!(opened.bootstrap.is_some(), "{opened:?}");
     let s_lsn = opened.position.unwrap();
@@ -101,7 +101,7 @@ async fn a_wave_whose_stamp_is_below_s_is_refused_until_the_source_has_caught_up
     assert_eq!(primary.count("bronze", "_operation = 0").await, 0, "no chunk row was written");
     backfill_until_done(&primary).await;
     primary.changes(3);
-    primary.db.capture().unwrap();
+    common::settle(&primary.db);
     primary.stream_until_caught_up().await;
     assert_eq!(primary.verify().await.differences(), 0);
     // Every row there at S was read by exactly one chunk, each stamped at or after S.
@@ -136,7 +136,7 @@ async fn an_open_last_chunk_ends_at_the_first_key_after_max_as_it_is_at_its_wave
     s.db.load_rows(&codes, (0..30).map(|i| vec![SqlValue::Str(format!("k{i:03}")), SqlValue::Int(i)])).unwrap();
     s.db.enable_cdc(&codes, None, None).unwrap();
     s.db.advance_clock(Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.table = codes.clone();
     write_workflow(&s, "sim://source.sqlite", "codes", &CHUNKED.replace("parallelism = 2", "parallelism = 1"));
     s.stream().await.unwrap();
@@ -148,7 +148,7 @@ async fn an_open_last_chunk_ends_at_the_first_key_after_max_as_it_is_at_its_wave
             tx.insert(&codes, vec![SqlValue::Str("z999".into()), SqlValue::Int(101)])
         })
         .unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.stream().await.unwrap();
     backfill_until_done(&s).await;
 
@@ -188,7 +188,7 @@ fn heap_scenario(snapshot: &str) -> Scenario {
     s.db.load_rows(&heap, (1..=60).map(|i| vec![SqlValue::Int(i), SqlValue::Int(i % 4)])).unwrap();
     s.db.enable_cdc(&heap, None, None).unwrap();
     s.db.advance_clock(Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.table = heap;
     write_workflow(&s, "sim://source.sqlite", "heap", snapshot);
     s
@@ -257,7 +257,7 @@ fn timed_scenario(keys: &str) -> Scenario {
     s.db.load_rows(&timed, (1..=5).map(|i| vec![SqlValue::Time(at(i)), SqlValue::Int(i), SqlValue::Int(0)])).unwrap();
     s.db.enable_cdc(&timed, None, None).unwrap();
     s.db.advance_clock(Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.table = timed;
     write_workflow(&s, "sim://source.sqlite", "timed", &format!("[snapshot]\nbootstrap = true\nmode = \"chunked\"\nchunk_rows = 10\n{keys}\n"));
     s
@@ -280,10 +280,10 @@ async fn apply_takes_no_notice_of_a_skipped_range() {
     apply::run(&mut ctx).await.unwrap();
     let table = s.table.clone();
     s.db.transaction(|tx| tx.update(&table, &vec![SqlValue::Int(1)], common::item_row(1, 5))).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.db.advance_clock(DAY * 4).unwrap();
     s.db.transaction(|tx| tx.update(&table, &vec![SqlValue::Int(2)], common::item_row(2, 6))).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     assert!(s.db.cleanup(None).unwrap().watermark.is_some(), "cleanup ran");
     s.stream_until_caught_up().await;
 

@@ -24,10 +24,10 @@ const DAY: Duration = Duration::from_secs(24 * 3600);
 /// days' retention) purges the first ones, which the stream never read.
 fn stop_past_the_retention(s: &mut Scenario, days: u64) {
     s.changes(12);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.db.advance_clock(DAY * days as u32).unwrap();
     s.changes(8);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let report = s.db.cleanup(None).unwrap();
     assert!(report.watermark.is_some(), "cleanup ran");
 }
@@ -144,7 +144,7 @@ async fn a_full_resnapshot_outliving_the_retention_fails_and_its_chunked_rerun_s
         }
         std::thread::sleep(Duration::from_millis(100));
         db.transaction(|tx| tx.insert(&table, common::item_row(10_000, 1))).unwrap();
-        db.capture().unwrap();
+        common::settle(&db);
         let max = db.max_lsn().unwrap().unwrap();
         db.cleanup_to_lsn(max).unwrap();
     });
@@ -347,7 +347,7 @@ async fn a_capture_instance_switch_mid_stream_with_a_column_added_loses_nothing(
         tx.update(&table, &k, row(kid, 9))
     })
     .unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.stream_until_caught_up().await;
     // The old instance goes; the stream is already past the switch.
     s.db.disable_instance("dbo_items").unwrap();

@@ -66,7 +66,7 @@ impl Setup {
         db.load_rows(&table, (1..=rows).map(|i| row(i, i * 10))).unwrap();
         db.enable_cdc(&table, None, None).unwrap();
         db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-        db.capture().unwrap();
+        common::settle(&db);
         Setup { dir, db, table }
     }
 
@@ -89,7 +89,7 @@ impl Setup {
     fn write(&self, f: impl FnOnce(&mut mssql_cdc::sim::db::SimTx<'_>) -> mssql_cdc::sim::db::Result<()>) {
         self.db.transaction(f).unwrap();
         self.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
-        self.db.capture().unwrap();
+        common::settle(&self.db);
     }
 
     fn location(&self, name: &str) -> String {
@@ -249,7 +249,7 @@ fn a_chunked_snapshot_does_not_read_a_renamed_column_until_a_new_instance_captur
         ok(&wf, &["stream"]);
     }
     s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     ok(&wf, &["stream"]);
     for _ in 0..10 {
         if ok(&wf, &["apply"])["action"] == "nothing" {

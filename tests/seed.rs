@@ -107,7 +107,7 @@ async fn commit_time(s: &Scenario, lsn: Lsn) -> DateTime<Utc> {
 async fn seed_from_a_copy_in_other_case_with_an_extra_column_then_stream() {
     let mut s = Scenario::new(40, WF);
     s.changes(5);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let last_before_copy = s.db.max_lsn().unwrap().unwrap();
     s.db.advance_clock(std::time::Duration::from_secs(10)).unwrap();
     let as_of = s.db.now().unwrap();
@@ -117,7 +117,7 @@ async fn seed_from_a_copy_in_other_case_with_an_extra_column_then_stream() {
     let copy_rows = odd_parquet_copy(&s, &copy).await;
     // Changes after the copy.
     s.changes(8);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
 
     let r = seed_at(&s, &copy, AsOf::Time(as_of), false).await.unwrap();
     assert!(!r.already_seeded);
@@ -175,13 +175,13 @@ async fn seed_from_a_copy_in_other_case_with_an_extra_column_then_stream() {
 async fn seed_from_a_delta_copy_by_lsn_without_bootstrap() {
     let mut s = Scenario::new(30, WF_NO_BOOTSTRAP);
     s.changes(3);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let recorded = s.db.max_lsn().unwrap().unwrap();
     s.changes(4);
     let copy = s.path().join("copy-delta");
     let copy_rows = delta_copy(&s, &copy).await;
     s.changes(5);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let r = seed_at(&s, &copy, AsOf::Lsn(recorded), false).await.unwrap();
     assert_eq!((r.lsn, r.rows, r.copy_kind), (recorded, copy_rows, Some(mssql_cdc::seed_copy::CopyKind::Delta)));
     s.stream_until_caught_up().await;
@@ -195,12 +195,12 @@ async fn rerun_after_cleanup_under_a_newer_snapshot_and_reseed() {
     let mut s = Scenario::new(30, WF);
     s.changes(4);
     s.db.advance_clock(std::time::Duration::from_secs(10)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let as_of1 = s.db.now().unwrap();
     let copy1 = s.path().join("copy1");
     parquet_copy(&s, &copy1).await;
     s.changes(3);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let r1 = seed_at(&s, &copy1, AsOf::Time(as_of1), false).await.unwrap();
     s.stream_until_caught_up().await;
 
@@ -208,7 +208,7 @@ async fn rerun_after_cleanup_under_a_newer_snapshot_and_reseed() {
     // mapping rows around the copy's start.
     s.db.advance_clock(std::time::Duration::from_secs(4 * 24 * 3600)).unwrap();
     s.changes(5);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.db.cleanup(None).unwrap();
     let ctx = s.context().await.unwrap();
     let mapped = ctx.source.time_to_lsn(TimeOp::LargestLessThanOrEqual, mapping_time(&ctx.zone, as_of1)).await.unwrap();
@@ -226,12 +226,12 @@ async fn rerun_after_cleanup_under_a_newer_snapshot_and_reseed() {
     let e = s.stream().await.unwrap_err();
     assert!(matches!(e, StepError::DataLoss { .. }), "{e}");
     s.db.advance_clock(std::time::Duration::from_secs(10)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let as_of2 = s.db.now().unwrap();
     let copy2 = s.path().join("copy2");
     parquet_copy(&s, &copy2).await;
     s.changes(4);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     // Without --reseed: refused, saying how to proceed.
     let e = seed_at(&s, &copy2, AsOf::Time(as_of2), false).await.unwrap_err();
     assert_eq!(e.exit_code(), 2);
@@ -276,22 +276,22 @@ async fn a_copy_started_in_a_repeated_fall_back_hour_skips_no_commit() {
     let step = std::time::Duration::from_secs(119);
     while s.db.now().unwrap() + chrono::Duration::seconds(125) < as_of {
         s.changes(1);
-        s.db.capture().unwrap();
+        common::settle(&s.db);
         s.db.advance_clock(step).unwrap();
     }
     let now = s.db.now().unwrap();
     s.db.advance_clock((as_of - now).to_std().unwrap()).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let last_before_copy = s.db.max_lsn().unwrap().unwrap();
     let copy = s.path().join("copy");
     parquet_copy(&s, &copy).await;
     let end = Utc.with_ymd_and_hms(2026, 11, 1, 6, 45, 0).unwrap();
     while s.db.now().unwrap() < end {
         s.changes(1);
-        s.db.capture().unwrap();
+        common::settle(&s.db);
         s.db.advance_clock(step).unwrap();
     }
-    s.db.capture().unwrap();
+    common::settle(&s.db);
 
     // The trap: 'largest less than or equal' at as_of's own local time (01:30)
     // finds a commit of the second pass, an hour after the copy started.
@@ -337,25 +337,25 @@ async fn golden_seed_rerun_reseed() {
     let mut s = Scenario::new(20, WF);
     s.changes(3);
     s.db.advance_clock(std::time::Duration::from_secs(10)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let as_of1 = s.db.now().unwrap();
     let copy1 = s.path().join("copy1");
     parquet_copy(&s, &copy1).await;
     s.changes(2);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     assert!(!seed_at(&s, &copy1, AsOf::Time(as_of1), false).await.unwrap().already_seeded);
     s.stream().await.unwrap();
     assert!(seed_at(&s, &copy1, AsOf::Time(as_of1), false).await.unwrap().already_seeded);
     s.changes(2);
     s.db.advance_clock(std::time::Duration::from_secs(10)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let as_of2 = s.db.now().unwrap();
     let copy2 = s.path().join("copy2");
     parquet_copy(&s, &copy2).await;
     let r2 = seed_at(&s, &copy2, AsOf::Time(as_of2), true).await.unwrap();
     assert_eq!(r2.generation, 1);
     s.changes(2);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.stream().await.unwrap();
     assert_eq!(s.verify().await.differences(), 0);
     let log = s.golden().await;

@@ -62,7 +62,7 @@ fn refusals_exit_with_their_codes_and_write_nothing() {
     let partial = s.path().join("partial");
     copy_of(&rt, &s, &partial, Some(&["id", "name"]));
     s.changes(3);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
 
     // Bad arguments are found before the workflow's targets are even opened.
     let (code, j) = seed(&s, &copy, "yesterday", &[]);
@@ -123,7 +123,7 @@ fn a_purged_point_is_data_loss() {
     s.changes(3);
     s.db.advance_clock(std::time::Duration::from_secs(4 * 24 * 3600)).unwrap();
     s.changes(3);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.db.cleanup(None).unwrap();
     let before = versions(&rt, &s);
     let (code, j) = seed(&s, &copy, &recorded.to_hex(), &[]);

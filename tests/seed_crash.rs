@@ -18,7 +18,7 @@ async fn crash_after_the_bronze_commit_then_rerun() {
     let ci = mssql_cdc::source::CdcSource::capture_instances(&source, &s.table).await.unwrap().pop().unwrap();
     let rows = mssql_cdc::seed_copy::export_parquet(&source, &s.table, &ci.columns, &copy, 1000).await.unwrap() as i64;
     s.changes(3);
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let args = SeedArgs { copy: copy.to_string_lossy().into_owned(), as_of: AsOf::Lsn(recorded), reseed: false, allow_missing_columns: false };
     fail::cfg("seed.after_bronze", "1*return").unwrap();
     let e = seed::run(&mut s.context().await.unwrap(), &args).await.unwrap_err();

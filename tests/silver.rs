@@ -160,7 +160,7 @@ async fn an_update_of_a_key_recorded_as_3_and_4_moves_the_row() {
     // A commit the stream reads, so its position passes the injected rows' LSN.
     let table = s.table.clone();
     let l = s.db.transaction(|tx| tx.insert(&table, common::item_row(100, 0))).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.stream_until_caught_up().await;
     let seq = Lsn(l.0);
     let row = |id: i64, v: i64, op: i32| ChangeRow { start_lsn: l, seqval: seq, operation: op, command_id: Some(1), tran_end_time: None, values: common::item_row(id, v) };
@@ -192,7 +192,7 @@ async fn stream_lag_is_in_flight_and_a_real_difference_beside_it_is_not() {
         tx.delete(&table, &vec![SqlValue::Int(4)])
     })
     .unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let r = reconcile(&s).await.unwrap();
     assert!(r.clean, "stream lag is not a failure: {r:#?}");
     assert_eq!(r.counts["IN_FLIGHT"], 3, "{r:#?}");
@@ -282,9 +282,9 @@ async fn resnapshot_after_a_gap(keys_toml: &str) -> (Scenario, BTreeSet<i64>) {
         Ok(())
     })
     .unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.write_workflow(&format!("silver = \"silver\"\n[snapshot]\nbootstrap = true\nmode = \"chunked\"\nparallelism = 2\nchunk_rows = 10\ntarget_wave_seconds = 0\n{keys_toml}\n[stream]\nmax_batch_rows = 1000\n"));
     let mut ctx = s.context().await.unwrap();
     let o = chunked::ensure_open(&mut ctx, "resnapshot", 1).await.unwrap();
@@ -452,7 +452,7 @@ async fn a_change_on_a_null_chunk_key_is_in_flight_and_its_difference_is_named_b
     assert_clean(&reconcile(&s).await.unwrap());
     let table = s.table.clone();
     s.db.transaction(|tx| tx.insert(&table, common::item_row(7, 0))).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.stream_until_caught_up().await;
     let r = reconcile(&s).await.unwrap();
     assert!(r.clean && r.counts["IN_FLIGHT"] == 1, "bronze holds the NULL key's change: {r:#?}");
@@ -481,7 +481,7 @@ async fn a_table_without_a_unique_index_is_a_heap_refused_without_before_images(
     s.db.load_rows(&heap, (1..=30).map(|i| vec![SqlValue::Int(i), SqlValue::Int(i * 2)])).unwrap();
     s.db.enable_cdc(&heap, None, None).unwrap();
     s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.table = heap;
     // Keys or not, silver keeps a heap as a multiset, which needs the updates' before-images.
     let wf = |keys: &str| {
@@ -526,7 +526,7 @@ impl common::Hooks for DeleteDuringTheRead {
             let table = mssql_cdc::source::TableName::new("dbo", "items");
             db.transaction(|tx| tx.delete(&table, &vec![SqlValue::Int(5)])).unwrap();
             db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-            db.capture().unwrap();
+            common::settle(&db);
             let wf = mssql_cdc::workflow::Workflow::load(&self.wf_path).unwrap();
             for _ in 0..100 {
                 let mut ctx = mssql_cdc::engine::Context::open(wf.clone()).await.unwrap();
@@ -569,7 +569,7 @@ async fn a_waves_merge_reads_its_own_keys_changes_not_every_change_since_s() {
         .unwrap();
     }
     s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.stream_until_caught_up().await;
     let r = apply(&s).await.unwrap();
     assert_eq!(r.action, "changes", "{r:?}");

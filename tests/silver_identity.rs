@@ -57,7 +57,7 @@ impl Case {
         db.load_rows(&table, (1..=140).map(|id| row(id, id % GROUPS, "loaded"))).unwrap();
         db.enable_cdc(&table, None, None).unwrap();
         db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-        db.capture().unwrap();
+        common::settle(&db);
         let wf_path = dir.path().join("orders.toml");
         std::fs::write(
             &wf_path,
@@ -79,7 +79,7 @@ impl Case {
         let table = self.table.clone();
         self.db.transaction(|tx| f(tx, &table)).unwrap();
         self.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
-        self.db.capture().unwrap();
+        common::settle(&self.db);
     }
 
     /// Changes of round `n`: a row moved to another group, a note changed,

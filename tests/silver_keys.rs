@@ -80,7 +80,7 @@ impl Case {
         // unique index, so silver is keyed on `key`, not on the primary key.
         db.enable_cdc_on_index(&table, None, None, Some(&["key".to_string()])).unwrap();
         db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-        db.capture().unwrap();
+        common::settle(&db);
         let wf_path = dir.path().join("accounts.toml");
         std::fs::write(
             &wf_path,
@@ -102,7 +102,7 @@ impl Case {
         let (table, ty) = (self.table.clone(), self.key_type.clone());
         self.db.transaction(|tx| f(tx, &table, &ty)).unwrap();
         self.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
-        self.db.capture().unwrap();
+        common::settle(&self.db);
     }
 
     /// Streams and applies; both must exit 0.

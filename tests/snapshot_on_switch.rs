@@ -72,7 +72,7 @@ fn setup(workflow: &str) -> Setup {
     db.load_rows(&table, (1..=ROWS).map(|i| row(i, i * 10))).unwrap();
     db.enable_cdc(&table, None, None).unwrap();
     db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    db.capture().unwrap();
+    common::settle(&db);
     let wf_path = dir.path().join("items.toml");
     std::fs::write(&wf_path, workflow).unwrap();
     Setup { dir, db, table, wf_path }
@@ -108,7 +108,7 @@ impl Setup {
 
     fn write(&self, f: impl FnOnce(&mut mssql_cdc::sim::db::SimTx<'_>) -> mssql_cdc::sim::db::Result<()>) {
         self.db.transaction(f).unwrap();
-        self.db.capture().unwrap();
+        common::settle(&self.db);
     }
 
     /// The simulator's table, read with its own API: key -> every column as text.
@@ -354,7 +354,7 @@ fn scenario(s: &Setup, crash: Option<Crash>) -> Outcome {
         }
     }
     s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     step(&["stream"], true);
     Outcome { new_start, opened_by, position_before_open: position_before_open.unwrap(), fired }
 }
@@ -519,7 +519,7 @@ async fn golden_snapshot_opened_by_a_switch() {
         tx.insert(&table, r)
     })
     .unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     let r = s.stream().await.unwrap();
     assert_eq!(r.snapshots_on_switch.len(), 1, "{r:?}");
     backfill_to_done().await;

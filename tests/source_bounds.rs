@@ -97,7 +97,7 @@ fn source(dir: &Path, spec: &TableSpec, rows: Vec<Vec<SqlValue>>) -> SimDb {
     db.load_rows(&spec.name, rows.into_iter()).unwrap();
     db.enable_cdc(&spec.name, None, None).unwrap();
     db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    db.capture().unwrap();
+    common::settle(&db);
     db
 }
 
@@ -355,7 +355,7 @@ async fn a_nullable_integer_key_with_changes_while_its_snapshot_is_open_ends_wit
         })
         .unwrap();
         db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
-        db.capture().unwrap();
+        common::settle(&db);
         changes += 1;
         if round % 2 == 1 {
             let (out, j) = run(&wf, "stream");
@@ -373,7 +373,7 @@ async fn a_nullable_integer_key_with_changes_while_its_snapshot_is_open_ends_wit
     assert!(changes >= 2, "the snapshot took {changes} rounds; the scenario wants changes between waves");
 
     db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    db.capture().unwrap();
+    common::settle(&db);
     let mut caught_up = false;
     for calls in 1..=50 {
         let (out, j) = run(&wf, "stream");

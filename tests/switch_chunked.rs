@@ -66,7 +66,7 @@ fn setup() -> Setup {
     db.load_rows(&table, (1..=ROWS).map(|i| row(i, i * 10))).unwrap();
     db.enable_cdc(&table, None, None).unwrap();
     db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    db.capture().unwrap();
+    common::settle(&db);
     let wf_path = dir.path().join("items.toml");
     std::fs::write(
         &wf_path,
@@ -106,7 +106,7 @@ impl Setup {
     /// One transaction of writes, then a capture scan so the change tables hold it.
     fn write(&self, f: impl FnOnce(&mut mssql_cdc::sim::db::SimTx<'_>) -> mssql_cdc::sim::db::Result<()>) {
         self.db.transaction(f).unwrap();
-        self.db.capture().unwrap();
+        common::settle(&self.db);
     }
 
     /// The simulator's table, read with its own API: key -> every column as text.
@@ -284,7 +284,7 @@ fn a_switch_while_a_chunked_snapshot_is_open_keeps_the_added_column_everywhere()
         s.ok(&["stream"]);
     }
     s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    s.db.capture().unwrap();
+    common::settle(&s.db);
     s.ok(&["stream"]);
     for _ in 0..10 {
         if s.ok(&["apply"])["action"] == "nothing" {

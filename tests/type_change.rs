@@ -51,7 +51,7 @@ fn setup() -> Setup {
     db.load_rows(&table, (1..=20).map(|i| row(i, i * 10))).unwrap();
     db.enable_cdc(&table, None, None).unwrap();
     db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-    db.capture().unwrap();
+    common::settle(&db);
     let wf_path = dir.path().join("items.toml");
     std::fs::write(
         &wf_path,
@@ -80,7 +80,7 @@ impl Setup {
     fn write(&self, f: impl FnOnce(&mut mssql_cdc::sim::db::SimTx<'_>) -> mssql_cdc::sim::db::Result<()>) {
         self.db.transaction(f).unwrap();
         self.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
-        self.db.capture().unwrap();
+        common::settle(&self.db);
     }
 
     /// The simulator's rows, every column as text, by id.

@@ -69,10 +69,32 @@ pub fn manual_config() -> SimConfig {
     SimConfig {
         clock: Clock::Manual { start: Utc.with_ymd_and_hms(2026, 3, 1, 12, 0, 0).unwrap(), tick_ms: 1000 },
         time_zone: "America/Sao_Paulo".into(),
-        capture_lag_ms: 0,
+        // The capture job runs seconds behind the writer, as on a server: a
+        // transaction is in the change table only once the clock is this far
+        // past its commit. Every transition of a test runs with the last
+        // transactions still uncaptured unless the test waits (`settle`).
+        capture_lag_ms: CAPTURE_LAG_MS,
         idle_interval_seconds: 1,
         ..SimConfig::default()
     }
+}
+
+/// How far the shared configuration's capture job is behind the writer.
+pub const CAPTURE_LAG_MS: u64 = 3_000;
+
+/// Waits for the capture job as a test on a server waits for it: the clock
+/// moves past the lag of every transaction committed so far, then one
+/// capture scan runs. What it captured is returned.
+pub fn settle(db: &SimDb) -> mssql_cdc::sim::CaptureReport {
+    let cfg = db.config().unwrap();
+    match cfg.clock {
+        Clock::Manual { .. } => {
+            db.advance_clock(std::time::Duration::from_millis(cfg.capture_lag_ms + 1_000)).unwrap();
+        }
+        Clock::Wall if cfg.capture_lag_ms > 0 => std::thread::sleep(std::time::Duration::from_millis(cfg.capture_lag_ms + 50)),
+        Clock::Wall => {}
+    }
+    settle(&db)
 }
 
 impl Scenario {
@@ -87,7 +109,7 @@ impl Scenario {
         db.enable_cdc(&table, None, None).unwrap();
         // The capture job's first scan: an idle mapping row, so max LSN is set.
         db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
-        db.capture().unwrap();
+        settle(&db);
         assert!(db.max_lsn().unwrap().is_some(), "the first capture scan records an LSN");
         let wf_path = dir.path().join("items.toml");
         let mut s = Scenario { dir, db, table, wf_path, next_id: rows + 1, rng: 0x9e37_79b9_7f4a_7c15 };
@@ -168,11 +190,15 @@ impl Scenario {
         engine::stream::run(&mut ctx).await
     }
 
-    /// Streams until caught up (a step that fails is an error of the test).
+    /// Streams until caught up with the writer, not only with the capture
+    /// job: a call that finds nothing more to read is followed by the lag
+    /// passing and a capture scan ([`settle`]), as an orchestrator's next
+    /// call would find, until a scan finds nothing new (a step that fails is
+    /// an error of the test).
     pub async fn stream_until_caught_up(&self) {
         for _ in 0..100 {
             let r = self.stream().await.unwrap();
-            if r.caught_up {
+            if r.caught_up && settle(&self.db).transactions == 0 {
                 return;
             }
         }
@@ -296,10 +322,11 @@ pub fn ok(s: &Scenario, args: &[&str]) -> Value {
     j
 }
 
-/// Runs `stream` through the binary until it reports `caught_up` (50 calls at the most).
+/// Runs `stream` through the binary until it has caught up with the writer
+/// ([`Scenario::stream_until_caught_up`]; 50 calls at the most).
 pub fn cli_stream_until_caught_up(s: &Scenario) {
     for _ in 0..50 {
-        if ok(s, &["stream"])["caught_up"] == true {
+        if ok(s, &["stream"])["caught_up"] == true && settle(&s.db).transactions == 0 {
             return;
         }
     }
@@ -320,10 +347,10 @@ pub fn cli_backfill_until_done(s: &Scenario) {
 /// job runs, then cleanup (the simulator's 3-day retention).
 pub fn pass_the_retention(s: &mut Scenario, days: u32) {
     s.changes(6);
-    s.db.capture().unwrap();
+    settle(&s.db);
     s.db.advance_clock(Duration::from_secs(24 * 3600) * days).unwrap();
     s.changes(5);
-    s.db.capture().unwrap();
+    settle(&s.db);
     assert!(s.db.cleanup(None).unwrap().watermark.is_some(), "cleanup ran");
 }
 
