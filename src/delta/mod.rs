@@ -487,17 +487,33 @@ where
 
 /// [`append_idempotent`] with metadata computed after the last batch was
 /// written (so it can name what only the data told: a row count).
-pub async fn append_idempotent_with<S, F>(table: &mut DeltaTable, batches: S, _schema: SchemaRef, txn: &Txn, metadata: F) -> StepResult<Appended>
+///
+/// The writer takes the table state the caller holds, the one whose schema
+/// (`schema`) its rows were converted to, not a newer one: a concurrent call
+/// may add a column meanwhile (bronze gaining a newer capture instance's
+/// columns, `engine::switch::add_bronze_columns`), and rows without it would
+/// not match a writer that has it (the write would fail). So the writer is
+/// made before the table is refreshed. Files without the column are valid
+/// Delta data (it reads as NULL there); the commit ([`commit_adds`]) is made
+/// on the table's newest state, after the same "already applied" check, so
+/// a column added during the read does not make it conflict either. The
+/// stream's micro-batch does the same (`engine::stream::run_batch`).
+pub async fn append_idempotent_with<S, F>(table: &mut DeltaTable, batches: S, schema: SchemaRef, txn: &Txn, metadata: F) -> StepResult<Appended>
 where
     S: futures::Stream<Item = StepResult<RecordBatch>> + Send,
     F: FnOnce() -> Value,
 {
     let label = table.table_url().to_string();
+    if table.snapshot().is_err() {
+        // A table never loaded has no state to write with: load it first.
+        table.update_state().await.map_err(StepError::delta(&label))?;
+    }
+    let mut writer = streaming_writer(table)?;
     table.update_state().await.map_err(StepError::delta(&label))?;
     if let Some(found) = applied(table, txn).await? {
         return Ok(Appended::AlreadyApplied { found });
     }
-    let mut writer = streaming_writer(table)?;
+    check_writer_columns(&writer, &schema, &label)?;
     let mut batches = std::pin::pin!(batches);
     let mut rows = 0usize;
     while let Some(batch) = batches.next().await {
@@ -510,11 +526,29 @@ where
     if rows == 0 {
         return Ok(Appended::Empty);
     }
-    let mut writer = writer.with_commit_properties(step_commit_properties(txn, metadata()));
-    match writer.flush_and_commit(table).await {
-        Ok(v) => Ok(Appended::Committed { table_version: v as i64 }),
-        Err(e) => applied_after_failure(table, txn, &label, e).await,
+    let adds = writer.flush().await.map_err(StepError::delta(&label))?;
+    commit_adds(table, adds, txn, metadata()).await
+}
+
+/// The writer of [`append_idempotent_with`] must have the columns the rows
+/// were converted to (`schema`): a caller that refreshed its table after it
+/// read the schema would hand it a writer of other columns, and every write
+/// would fail with Delta's schema mismatch. Said here, naming both, instead.
+fn check_writer_columns(writer: &RecordBatchWriter, schema: &SchemaRef, label: &str) -> StepResult<()> {
+    let names = |s: &deltalake::arrow::datatypes::Schema| -> Vec<String> {
+        let mut v: Vec<String> = s.fields().iter().map(|f| f.name().to_lowercase()).collect();
+        v.sort();
+        v
+    };
+    let (rows, table) = (names(schema.as_ref()), names(writer.arrow_schema().as_ref()));
+    if rows != table {
+        return Err(StepError::Internal(format!(
+            "rows for {label} were converted to the columns ({}), but the table state the writer was made from has ({})",
+            rows.join(", "),
+            table.join(", ")
+        )));
     }
+    Ok(())
 }
 
 /// The txn version the table already holds for `txn`'s app id, when it is
@@ -735,3 +769,70 @@ pub async fn find_txn_commit(table: &DeltaTable, txn: &Txn) -> StepResult<Option
 
 /// A shared, reference-counted schema.
 pub type Schema = Arc<deltalake::arrow::datatypes::Schema>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lsn::Lsn;
+    use crate::types::{BatchBuilder, ColumnDesc, SqlType, SqlValue};
+    use deltalake::arrow::array::{Array, Int64Array};
+
+    /// The full snapshot's race (and the seed's, which appends the same way):
+    /// the rows are converted to bronze's schema as the call holds it
+    /// (`Context::bronze_schema`), then appended. A concurrent call that
+    /// gives bronze a newer capture instance's column in between
+    /// (`engine::switch::add_bronze_columns`) must not make the append fail:
+    /// the writer takes the table state the rows were converted with, and the
+    /// commit lands on the newest table, where the added column reads NULL
+    /// in these rows. Before the writer took that state it was made after a
+    /// refresh, had the added column, and the write failed on the rows
+    /// without it (Delta's schema mismatch).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_append_writes_with_the_schema_its_rows_were_converted_to_when_a_concurrent_call_adds_a_column() {
+        let dir = tempfile::tempdir().unwrap();
+        let location = dir.path().join("bronze").to_string_lossy().into_owned();
+        let storage = HashMap::new();
+        let older = vec![ColumnDesc::new("id", SqlType::Int, false), ColumnDesc::new("v", SqlType::Int, true)];
+        let mut ours = open_or_create(&location, &storage, TableKind::Bronze, &bronze::schema(&older), "test bronze").await.unwrap();
+        // What a full snapshot converts its rows to.
+        let schema = ours.snapshot().unwrap().snapshot().arrow_schema();
+        // Another call adds a newer instance's column to bronze meanwhile.
+        let mut newer = older.clone();
+        newer.push(ColumnDesc::new("added", SqlType::Int, true));
+        let wanted = commented_schema(TableKind::Bronze, &bronze::schema(&newer)).unwrap();
+        let existing: Vec<String> = schema.fields().iter().map(|f| f.name().to_string()).collect();
+        let new_fields: Vec<StructField> = wanted.fields().filter(|f| !existing.contains(f.name())).cloned().collect();
+        assert_eq!(new_fields.len(), 1, "the newer instance adds one column");
+        let theirs = open_existing(&location, &storage).await.unwrap().expect("the table exists");
+        theirs.add_columns().with_fields(new_fields).await.unwrap();
+        // The snapshot's rows, read with the older columns and converted to `schema`.
+        let mut read = BatchBuilder::new(&older);
+        for id in 1..=3i64 {
+            read.push(&[SqlValue::Int(id), SqlValue::Int(id * 10)]).unwrap();
+        }
+        let stamp = bronze::SnapshotStamp {
+            snapshot: Lsn::from_u128(42),
+            start_lsn: Lsn::from_u128(42),
+            commit_ts: None,
+            capture_instance: "dbo_t".into(),
+            chunk: None,
+        };
+        let rows = bronze::from_snapshot(&read.finish(), &schema, &stamp).unwrap();
+        let batches = futures::stream::iter(vec![Ok::<RecordBatch, StepError>(rows)]);
+        let appended = append_idempotent_with(&mut ours, batches, schema.clone(), &Txn::new("test#snapshot", 0), || json!({"kind": "snapshot"}))
+            .await
+            .unwrap();
+        assert!(appended.committed(), "{appended:?}");
+        // Committed on the newest table: it has the added column, NULL in these rows.
+        let names: Vec<String> = ours.snapshot().unwrap().snapshot().arrow_schema().fields().iter().map(|f| f.name().to_string()).collect();
+        assert!(names.iter().any(|n| n == "added"), "{names:?}");
+        let b = query(&ours, "SELECT COUNT(*) AS n, COUNT(added) AS a, SUM(CAST(v AS BIGINT)) AS s FROM t").await.unwrap();
+        let col = |i: usize| b[0].column(i).as_any().downcast_ref::<Int64Array>().unwrap().value(0);
+        assert_eq!((col(0), col(1), col(2)), (3, 0, 60));
+        // The txn is recorded: the same append again is already applied.
+        let again = append_idempotent_with(&mut ours, futures::stream::iter(Vec::<StepResult<RecordBatch>>::new()), schema, &Txn::new("test#snapshot", 0), || json!({}))
+            .await
+            .unwrap();
+        assert!(matches!(again, Appended::AlreadyApplied { found: 0 }), "{again:?}");
+    }
+}

@@ -1397,6 +1397,12 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<ReadEvent>();
     // Waves this call committed; every change (and a failure) wakes the readers waiting for a commit.
     let (commits, commits_seen) = tokio::sync::watch::channel(0u32);
+    // The readers' bronze is this state, never refreshed, and `schema` is
+    // read from it: each chunk's writer (`ChunkReader::read`) has the
+    // columns its rows are converted to, whatever a concurrent call adds to
+    // bronze meanwhile (the race `delta::append_idempotent_with` and the
+    // stream's batch guard against). The wave's commit (`Sink::commit`,
+    // `delta::commit_adds`) is made on bronze's newest state.
     let reader = ChunkReader {
         source: ctx.source.clone(),
         bronze: ctx.bronze.clone(),
@@ -1712,6 +1718,7 @@ impl Coordinator {
 #[derive(Clone)]
 struct ChunkReader {
     source: SharedSource,
+    /// Bronze as `schema` was read from it; never refreshed (see `backfill`).
     bronze: DeltaTable,
     schema: deltalake::arrow::datatypes::SchemaRef,
     base: SnapshotRead,

@@ -333,6 +333,9 @@ pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Opti
     let n_ranges = ranges.len();
     tracing::info!(snapshot = %s, ranges = n_ranges, generation, kind, "reading the table for a full snapshot");
     let stamp = SnapshotStamp { snapshot: s, start_lsn: s, commit_ts, capture_instance: ctx.instance.name.clone(), chunk: None };
+    // The rows are converted to this schema, and the append's writer takes
+    // the same table state (`delta::append_idempotent_with`), not a newer one
+    // a concurrent call gave an added column meanwhile.
     let bronze_schema = ctx.bronze_schema()?;
     let (tx, rx) = mpsc::channel::<StepResult<RecordBatch>>(2 * n_ranges.max(1));
     let mut readers = Vec::new();

@@ -1831,17 +1831,17 @@ impl SimDb {
         })
     }
 
-    /// Arms a cleanup that runs right before the next change read checks its
-    /// range, moving every instance's min LSN up to the max LSN: the race
-    /// where cleanup passes a stream between its check of the min LSN and its
-    /// read, so the read itself fails with error 313.
     /// A writer's exclusive lock on `table`, held until [`SimDb::release_lock`]
     /// (an open transaction that has changed the table, as far as readers
-    /// can tell). Locking reads of the table (READ COMMITTED, and fenced
-    /// reads) wait behind it for up to `lock_timeout_ms` and then fail with
-    /// error 1222; SNAPSHOT reads do not wait (they read row versions), nor
-    /// do the change tables. The lock lives in the file, so it holds for
-    /// every process that reads it.
+    /// can tell). Every statement that reads the table's rows under locking
+    /// READ COMMITTED waits behind it for up to `lock_timeout_ms` and then
+    /// fails with error 1222: snapshot reads and fenced reads, and the key
+    /// extents, seeks, slice counts and extents, NULL counts, bucket sums and
+    /// row counts of the planners and reconcile. SNAPSHOT reads do not wait
+    /// (they read row versions), nor do reads that touch no row of the table:
+    /// the catalog, the `cdc.*` objects (change tables, `lsn_time_mapping`),
+    /// `sp_spaceused`'s estimate, the key comparison. The lock lives in the
+    /// file, so it holds for every process that reads it.
     pub fn hold_lock(&self, table: &TableName, holder: &str) -> Result<()> {
         self.write(|c, p| {
             let t = find_table(c, p, table)?;
@@ -1860,6 +1860,10 @@ impl SimDb {
         })
     }
 
+    /// Arms a cleanup that runs right before the next change read checks its
+    /// range, moving every instance's min LSN up to the max LSN: the race
+    /// where cleanup passes a stream between its check of the min LSN and its
+    /// read, so the read itself fails with error 313.
     pub fn cleanup_before_next_change_read(&self) -> Result<()> {
         self.write(|c, p| {
             c.execute("INSERT INTO faults(on_kind, after_rows, remaining) VALUES ('cleanup_before_changes', 0, 1)", []).ctx(p)?;

@@ -282,6 +282,25 @@ fn fence_under_lock(conn: &Connection, path: &Path, cfg: &SimConfig) -> Result<N
     Ok(fence)
 }
 
+/// A statement that reads the source table itself (a snapshot read, and the
+/// planners' and reconcile's MIN/MAX, TOP (n+1) seeks, slice counts and
+/// extents, NULL counts, bucket sums and row counts) under `isolation`:
+/// under locking READ COMMITTED it waits behind a writer's lock on the
+/// table ([`wait_for_lock`]: error 1222 after `lock_timeout_ms`), as SQL
+/// Server's shared locks wait behind the writer's exclusive ones; under
+/// SNAPSHOT it reads row versions and does not wait. Called before the
+/// statement's SQLite transaction begins: inside it, SQLite's snapshot would
+/// never see the lock go. Statements that read no row of the table do not
+/// come here: the catalog, the `cdc.*` objects (change tables, the change
+/// function, `lsn_time_mapping`), `sp_spaceused` (row_estimate: it reads
+/// `sys.dm_db_partition_stats`) and the parameter-only key comparison.
+fn wait_to_read(conn: &Connection, path: &Path, cfg: &SimConfig, table: &TableName, isolation: Isolation) -> Result<(), SourceError> {
+    match isolation {
+        Isolation::ReadCommitted => wait_for_lock(conn, path, cfg, table),
+        Isolation::Snapshot => Ok(()),
+    }
+}
+
 /// Waits while a writer holds a lock on `table` ([`super::SimDb::hold_lock`]),
 /// for up to `lock_timeout_ms`, then fails as SQL Server does: error 1222.
 fn wait_for_lock(conn: &Connection, path: &Path, cfg: &SimConfig, table: &TableName) -> Result<(), SourceError> {
@@ -853,6 +872,8 @@ impl CdcSource for SimSource {
         let (name, keys, login) = (table.clone(), keys.to_vec(), self.login.clone());
         self.call(move |c, p, cfg| {
             check_isolation(cfg, isolation, p)?;
+            // MIN/MAX (or TOP (1) each way) reads the table: it waits behind a writer.
+            wait_to_read(c, p, cfg, &name, isolation)?;
             let tx = c.transaction().map_err(sql_err(p))?;
             let t = self::table(&tx, p, &name)?;
             read_columns(&Guard::load(&tx, p, login.as_deref())?, &t, &keys)?;
@@ -911,6 +932,7 @@ impl CdcSource for SimSource {
             if width <= 0 {
                 return Err(SourceError::Config(format!("slice width must be positive, got {width}")));
             }
+            wait_to_read(c, p, cfg, &name, isolation)?;
             let tx = c.transaction().map_err(sql_err(p))?;
             let t = self::table(&tx, p, &name)?;
             read_columns(&Guard::load(&tx, p, login.as_deref())?, &t, std::slice::from_ref(&key))?;
@@ -962,6 +984,7 @@ impl CdcSource for SimSource {
         let (name, key, login) = (table.clone(), key.to_string(), self.login.clone());
         self.call(move |c, p, cfg| {
             check_isolation(cfg, isolation, p)?;
+            wait_to_read(c, p, cfg, &name, isolation)?;
             let tx = c.transaction().map_err(sql_err(p))?;
             let t = self::table(&tx, p, &name)?;
             read_columns(&Guard::load(&tx, p, login.as_deref())?, &t, std::slice::from_ref(&key))?;
@@ -1014,6 +1037,7 @@ impl CdcSource for SimSource {
         let (name, key, login) = (table.clone(), key.to_string(), self.login.clone());
         self.call(move |c, p, cfg| {
             check_isolation(cfg, isolation, p)?;
+            wait_to_read(c, p, cfg, &name, isolation)?;
             let tx = c.transaction().map_err(sql_err(p))?;
             let t = self::table(&tx, p, &name)?;
             read_columns(&Guard::load(&tx, p, login.as_deref())?, &t, std::slice::from_ref(&key))?;
@@ -1047,6 +1071,7 @@ impl CdcSource for SimSource {
             if width <= 0 {
                 return Err(SourceError::Config(format!("bucket width must be positive, got {width}")));
             }
+            wait_to_read(c, p, cfg, &name, isolation)?;
             let tx = c.transaction().map_err(sql_err(p))?;
             let t = self::table(&tx, p, &name)?;
             read_columns(&Guard::load(&tx, p, login.as_deref())?, &t, std::slice::from_ref(&key))?;
@@ -1098,6 +1123,9 @@ impl CdcSource for SimSource {
     async fn compare_keys(&self, table: &TableName, keys: &[String], pairs: &[(Key, Key)]) -> Result<Vec<std::cmp::Ordering>, SourceError> {
         let (name, keys, pairs, login) = (table.clone(), keys.to_vec(), pairs.to_vec(), self.login.clone());
         self.call(move |c, p, _cfg| {
+            // No wait behind a writer's lock: the client's statements read the
+            // catalog (sys.columns) and compare parameters (`SELECT CASE ...`
+            // with no FROM), never the table (sql::key_compare).
             let tx = c.transaction().map_err(sql_err(p))?;
             // The client reads the columns' collations from the catalog (sql::column_collations).
             let t = visible_table(&tx, p, &Guard::load(&tx, p, login.as_deref())?, &name)?;
@@ -1120,6 +1148,8 @@ impl CdcSource for SimSource {
         let (name, keys, range, login) = (table.clone(), keys.to_vec(), range.clone(), self.login.clone());
         self.call(move |c, p, cfg| {
             check_isolation(cfg, isolation, p)?;
+            // The TOP (n+1) seek reads the table's rows: it waits behind a writer.
+            wait_to_read(c, p, cfg, &name, isolation)?;
             let tx = c.transaction().map_err(sql_err(p))?;
             let t = self::table(&tx, p, &name)?;
             read_columns(&Guard::load(&tx, p, login.as_deref())?, &t, &keys)?;
@@ -1177,6 +1207,11 @@ impl CdcSource for SimSource {
 
     async fn row_estimate(&self, table: &TableName) -> Result<u64, SourceError> {
         let (name, login) = (table.clone(), self.login.clone());
+        // No wait behind a writer's lock: the client runs `EXEC
+        // sys.sp_spaceused @objname` (sql::row_estimate, no isolation of its
+        // own: the session's READ COMMITTED), which reads the partition
+        // counts of sys.dm_db_partition_stats, never a row of the table, so
+        // an open transaction on the table does not hold it up.
         self.call(move |c, p, _| {
             let g = Guard::load(c, p, login.as_deref())?;
             let t = self::table(c, p, &name)?;
@@ -1242,6 +1277,8 @@ impl CdcSource for SimSource {
         let (name, login) = (table.clone(), self.login.clone());
         self.call(move |c, p, cfg| {
             check_isolation(cfg, isolation, p)?;
+            // COUNT_BIG(*) reads the table: it waits behind a writer.
+            wait_to_read(c, p, cfg, &name, isolation)?;
             let t = self::table(c, p, &name)?;
             read_columns(&Guard::load(c, p, login.as_deref())?, &t, &[])?;
             let n: i64 = c.query_row("SELECT count(*) FROM rows WHERE table_id = ?1", [t.id], |r| r.get(0)).map_err(sql_err(p))?;
@@ -1265,6 +1302,7 @@ impl CdcSource for SimSource {
             if width <= 0 {
                 return Err(SourceError::Config(format!("bucket width must be positive, got {width}")));
             }
+            wait_to_read(c, p, cfg, &name, isolation)?;
             let tx = c.transaction().map_err(sql_err(p))?;
             let t = self::table(&tx, p, &name)?;
             read_columns(&Guard::load(&tx, p, login.as_deref())?, &t, std::slice::from_ref(&key))?;

@@ -923,3 +923,65 @@ async fn a_hidden_change_table_is_refused_naming_its_grant() {
     let e = src.capture_instances(&orders()).await.unwrap_err();
     assert!(matches!(&e, SourceError::Permission(m) if m.contains("GRANT SELECT ON OBJECT::[cdc].[index_columns] TO [reader]")), "{e}");
 }
+
+/// A writer's lock on the table (`SimDb::hold_lock`) holds up every
+/// statement that reads the table's rows under locking READ COMMITTED, as
+/// SQL Server's shared locks wait behind the writer's exclusive one: the
+/// snapshot read and the planners' and reconcile's extents, seeks, counts
+/// and sums, each failing with error 1222 (transient) once `lock_timeout_ms`
+/// has passed, and each reading once the writer lets go. Under SNAPSHOT none
+/// of them waits. Reads of no row of the table (the catalog, the change
+/// function and the time mapping, `sp_spaceused`, the key comparison) never
+/// wait.
+#[tokio::test]
+async fn every_read_of_the_tables_rows_waits_behind_a_writers_lock_under_read_committed_only() {
+    let (_d, db, src, ci) = setup(manual("2026-03-01T12:00:00Z", 10), 50);
+    let l = db.transaction(|tx| tx.insert(&orders(), order(51, "new"))).unwrap();
+    db.capture().unwrap();
+    db.set_config_value("lock_timeout_ms", "100").unwrap();
+    db.hold_lock(&orders(), "a writer's open transaction").unwrap();
+    let (t, id) = (orders(), vec!["id".to_string()]);
+    let day_us: i64 = 86_400_000_000;
+    for iso in [Isolation::ReadCommitted, Isolation::Snapshot] {
+        let outcomes: Vec<(&str, Result<(), SourceError>)> = vec![
+            ("snapshot_read", read_all(&src, &ci.columns, &["id"], KeyRange::all(), iso).await.map(drop)),
+            ("key_extent", src.key_extent(&t, &id, iso).await.map(drop)),
+            ("key_seek", src.key_seek(&t, &id, &KeyRange::all(), 10, iso).await.map(drop)),
+            ("slice_counts", src.slice_counts(&t, "id", 1, 100, 10, iso).await.map(drop)),
+            ("slice_extent", src.slice_extent(&t, "id", 1, 100, iso).await.map(drop)),
+            ("null_count", src.null_count(&t, "note", iso).await.map(drop)),
+            ("bucket_sums", src.bucket_sums(&t, "id", 1, 100, 10, iso).await.map(drop)),
+            ("date_bucket_sums", src.date_bucket_sums(&t, "created_at", 0, i64::MAX, day_us, iso).await.map(drop)),
+            ("row_count", src.row_count(&t, iso).await.map(drop)),
+        ];
+        for (what, r) in outcomes {
+            match (iso, r) {
+                (Isolation::ReadCommitted, Err(SourceError::Transient(m))) if m.contains("1222") => {}
+                (Isolation::Snapshot, Ok(())) => {}
+                (iso, other) => panic!("{what} under {iso} behind the writer's lock: {other:?}"),
+            }
+        }
+    }
+    // Reads that touch no row of the table do not wait, under READ COMMITTED too.
+    assert_eq!(src.row_estimate(&t).await.unwrap(), 51);
+    assert_eq!(src.table_info(&t).await.unwrap().columns.len(), 6);
+    assert_eq!(src.capture_instances(&t).await.unwrap().len(), 1);
+    let pair = (vec![SqlValue::Int(1)], vec![SqlValue::Int(2)]);
+    assert_eq!(src.compare_keys(&t, &id, &[pair]).await.unwrap(), vec![std::cmp::Ordering::Less]);
+    assert_eq!(changes(&src, &ci, ci.start_lsn.unwrap(), l, RowFilter::All).await.len(), 1);
+    assert!(src.lsn_to_time(l).await.unwrap().is_some());
+    // A wait the writer's commit ends: the statement then reads the table.
+    db.set_config_value("lock_timeout_ms", "5000").unwrap();
+    let path = db.path().to_path_buf();
+    let started = std::time::Instant::now();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        SimDb::open(&path).unwrap().release_lock(&orders()).unwrap();
+    });
+    let found = src.key_seek(&t, &id, &KeyRange::all(), 10, Isolation::ReadCommitted).await.unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(300), "the seek waited for the lock ({:?})", started.elapsed());
+    release.join().unwrap();
+    assert_eq!(found, Some(vec![SqlValue::Int(11)]));
+    assert_eq!(src.key_extent(&t, &id, Isolation::ReadCommitted).await.unwrap(), Some((vec![SqlValue::Int(1)], vec![SqlValue::Int(51)])));
+    assert_eq!(src.row_count(&t, Isolation::ReadCommitted).await.unwrap(), 51);
+}

@@ -489,6 +489,9 @@ pub trait CdcSource: Send + Sync {
     async fn compare_keys(&self, table: &TableName, keys: &[String], pairs: &[(Key, Key)]) -> Result<Vec<std::cmp::Ordering>, SourceError>;
 
     /// An estimate of the table's row count (`sys.sp_spaceused`), used only to size a first grid.
+    /// It takes no isolation: `sp_spaceused` reads the partition counts
+    /// (`sys.dm_db_partition_stats`), never a row of the table, so a writer's
+    /// open transaction on the table does not hold it up under any isolation.
     async fn row_estimate(&self, table: &TableName) -> Result<u64, SourceError>;
 
     /// `sys.fn_cdc_map_time_to_lsn(op, t)` with `t` a server-local time. The
