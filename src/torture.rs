@@ -8,14 +8,16 @@
 //! column), what it injects besides crashes (a share of calls that meet a
 //! source fault; big transactions; cleanups inside the CDC retention;
 //! cleanups past the stream, with the workflow's `stream.on_data_loss` set to
-//! `resnapshot` or `skip`; a capture-instance switch), then a run of events:
+//! `resnapshot` or `skip`; a capture-instance switch; a bootstrap by `seed`
+//! from a copy, and reseeds), then a run of events:
 //! transactions of a writer
 //! (inserts, updates, deletes, key changes, keys respelled in place,
 //! set-based key swaps, duplicate heap rows; in a share of schedules big
 //! ones), capture lag (a write left uncaptured for a while), cleanups, the
-//! switch, and the calls an orchestrator makes (`stream`, `backfill`, `apply`,
-//! `reconcile`, `status`), alone or two at once, each possibly crashed and
-//! later called again, some meeting a source fault armed just before them.
+//! switch, copies of the table, and the calls an orchestrator makes (`seed`,
+//! `seed --reseed`, `stream`, `backfill`, `apply`, `reconcile`, `status`),
+//! alone or two at once, each possibly crashed and later called again, some
+//! meeting a source fault armed just before them.
 //!
 //! Why crashes are cut by polls, not by named failpoints or by time: a step
 //! is an async future, and every I/O it does (a Delta read or commit, a
@@ -63,8 +65,8 @@
 //! commit LSN of a change row, as a real cleanup's watermark is a real LSN)
 //! and deletes the change rows below it, as `sys.sp_cdc_cleanup_change_table`
 //! does. *Inside the retention* the watermark is at most where the stream
-//! stands (the newest batch's end, or the S of the snapshot that made its
-//! generation live, as the facts say): only changes bronze holds, or the
+//! stands (the newest live generation's newest batch end, or the S of the
+//! snapshot that made it live, as the facts say): only changes bronze holds, or the
 //! snapshot covers, are purged, and nothing the steps do may change. *Past
 //! the stream* the watermark is more than one LSN above that, so changes the
 //! stream never read are gone. Such schedules set `on_data_loss =
@@ -97,7 +99,8 @@
 //!
 //! # A capture-instance switch
 //!
-//! In a share of the schedules without a data loss, once, between two calls:
+//! In a share of the schedules without a data loss, once, between two calls
+//! (in a schedule that seeds, once the seed is done):
 //! a nullable column is added at the end of the table and a second capture
 //! instance (`dbo_t_v2`) is enabled at once (no write in between, so every
 //! value the column ever holds is in a change row of the newer instance),
@@ -117,6 +120,41 @@
 //! newer start before the stream switched would give both instances the
 //! same start LSN, and nothing would tell the newer one.
 //!
+//! # Seeds
+//!
+//! In a share of the schedules (drawn from a generator of their own, so
+//! that a schedule that does not seed draws what it drew before seeds were
+//! added) the stream bootstraps from a copy of the table instead of a
+//! snapshot (ADR 0025). At the first call event the tester takes the copy as
+//! a user would: it lets the clock pass any capture lag and runs a capture
+//! scan (always for a copy by time, so that a commit before the time is
+//! never captured only after a seed call mapped it; for a heap; for a
+//! reseed; for half the keyed copies by LSN, the others holding commits
+//! above the max LSN the capture job has not taken yet), records the point
+//! (the max LSN, or the clock's time, passed in UTC or at -03:00), lets the
+//! writer commit up to two transactions while the copy runs (a keyed table
+//! only: commits after the point the copy holds, which the stream replays;
+//! a heap's silver counts every change after the seed's L, a seed has no
+//! read fence, so a heap's copy holds exactly the commits up to its point),
+//! then reads the table (the rows go to `model.json`) and exports it as
+//! Parquet files (`seed_copy::export_parquet`). An empty table is written to
+//! first: `seed` refuses an empty copy. Until a call of
+//! `seed --copy DIR --as-of X` succeeds, `seed` and `status` are the only
+//! steps (an orchestrator seeds before it schedules the rest: a stream or a
+//! backfill would take a snapshot, and seed would then refuse); after it the
+//! steps are the usual ones, and `seed` again now and then (a rerun returns
+//! the seed and writes nothing, after cleanups too).
+//!
+//! Where a reseed is legal (no data loss and no switch: nothing else takes
+//! a snapshot, so none is open, and the copy is fitted to one capture
+//! instance) the tester takes up to two newer copies, each after a writer
+//! commit it captures first (so its L is above the last seed's), and
+//! `seed --reseed` with it becomes a frequent step until a call succeeds;
+//! meanwhile no cleanup runs (it could purge the changes after the copy's
+//! point before the newer generation reads them). Seed calls are crashed,
+//! killed and paired like the others and counted in the mix (`seed`,
+//! `seed --reseed`); the drain calls every seed still pending first.
+//!
 //! # The checks
 //!
 //! At the end, after the writer stops and every step has been called until
@@ -129,12 +167,31 @@
 //!   except that a batch with a `data_skipped` row starts where the skipped
 //!   range ends, and that range starts right after the batch before; a
 //!   generation ends where its last batch does (at S without batches) and
-//!   the next one starts after that;
+//!   the next one starts after that, except a reseed's (its S is a seed's),
+//!   which starts after the older generation's S, possibly before its end
+//!   (the stream had read past the newer copy's point);
 //! - bronze's change rows are exactly the model's change rows (above) of
 //!   each generation's range, from S (exclusive) to its end (the newest
 //!   generation to the max LSN), less the rows of the skipped ranges, every
-//!   column of the table as it is now, as a multiset: none lost, none twice;
-//! - every move to a newer generation matches a real purge: a cleanup ran
+//!   column of the table as it is now, as a multiset: none lost, none twice
+//!   (a row in the ranges of two generations, after a reseed, counts twice:
+//!   the newer generation writes it again);
+//! - the facts' seed completions (a `bootstrap` or `resnapshot` row whose
+//!   detail says `"mode": "seed"`) are the copies the schedule took, one
+//!   each and in order, the first one generation 0's, each one its
+//!   generation's S; each one's L is the LSN the copy was given or, for a
+//!   time T, at or after the newest mapping row 2 s before T (recorded when
+//!   the copy was taken), below every change row of the model's log
+//!   committed after T (above the max LSN when the copy started), and
+//!   mapped to a time at or before T where the mapping row is still there;
+//!   bronze's whole-snapshot rows (operation 0, no chunk) at those Ls are
+//!   exactly the copies' rows (the table's columns, a column added later
+//!   NULL), stamped `_start_lsn = _snapshot = L` with `_seqval`,
+//!   `_command_id` and `_batch_id` NULL, as a multiset: a seed that lost a
+//!   row of its copy, loaded one twice or loaded a copy twice fails. Without
+//!   a data loss nothing else takes a snapshot, so they are bronze's only
+//!   whole-snapshot rows;
+//! - every move to a newer generation that is not a reseed matches a real purge: a cleanup ran
 //!   while the stream stood at or before the older generation's end, with a
 //!   watermark more than one LSN past that end, so the changes right after it
 //!   were gone before the stream read them;
@@ -155,6 +212,7 @@ use std::pin::Pin;
 use std::task::{Context as TaskContext, Poll};
 use std::time::{Duration, Instant};
 
+use chrono::{DateTime, Utc};
 use clap::Parser;
 use deltalake::arrow::array::{Array, FixedSizeBinaryArray};
 use deltalake::arrow::record_batch::RecordBatch;
@@ -170,7 +228,7 @@ use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_DATA_SKIPPED, EVENT_RE
 use crate::error::{StepError, EXIT_OK, EXIT_TEMPORARY};
 use crate::lsn::Lsn;
 use crate::sim::{Clock, FaultOn, FaultSpec, SimConfig, SimDb, TableSpec};
-use crate::source::{CaptureInstance, CdcSource, Isolation, KeyRange, RowFilter, SnapshotRead, TableName};
+use crate::source::{CaptureInstance, CdcSource, Isolation, KeyRange, RowFilter, SnapshotRead, TableName, TimeOp};
 use crate::types::{ColumnDesc, SqlType, SqlValue};
 
 /// What `torture` is asked to do.
@@ -211,8 +269,16 @@ pub struct Overrides {
     /// "none", "resnapshot" or "skip" (skip needs "int_key" and full mode).
     pub data_loss: Option<&'static str>,
     /// A capture-instance switch on or off (on needs data_loss "none"); on
-    /// also makes it happen by the schedule's third call event.
+    /// also makes it happen by the schedule's third call event (in a schedule
+    /// that seeds, once the seed is done).
     pub switch: Option<bool>,
+    /// A bootstrap by `seed` from a copy instead of a snapshot, on or off.
+    pub seed: Option<bool>,
+    /// Reseeds on or off; on needs a seed bootstrap (and turns it on when
+    /// `seed` is None), data_loss "none" and no switch (it keeps both so
+    /// unless told otherwise), and makes the first reseed's copy be taken at
+    /// the first call event after the seed is done (or after the events).
+    pub reseed: Option<bool>,
 }
 
 /// The mix one run injected, and its failures.
@@ -248,6 +314,10 @@ pub struct TortureReport {
     pub skipped_ranges: u32,
     /// Capture-instance switches (a column added, a second instance enabled).
     pub switches: u32,
+    /// Schedules bootstrapped by `seed` from a copy instead of a snapshot.
+    pub seeded: u32,
+    /// Newer copies taken for `seed --reseed` (each called until it succeeds).
+    pub reseeds: u32,
     pub seconds: f64,
     /// The failing schedules: seed, what broke, the command that replays it.
     pub failed: Vec<Value>,
@@ -695,7 +765,44 @@ struct Model {
     /// The start LSN [`NEXT_INSTANCE`] had when it was enabled: the model
     /// takes the older instance's rows below it and the newer one's from it.
     switch_start: Option<Lsn>,
+    /// The copies taken for `seed`, in order: the bootstrap's, then each
+    /// reseed's (see the module docs).
+    seeds: Vec<SeedCopy>,
 }
+
+/// A copy of the table taken for `seed`, as a user takes one (module docs).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct SeedCopy {
+    /// Its folder of Parquet files, under the schedule's folder.
+    copy: String,
+    /// `--as-of` as passed: an LSN (0x-hex) or a time with an offset.
+    as_of: String,
+    /// The LSN passed (None: a time was).
+    lsn: Option<Lsn>,
+    /// The time passed (None: an LSN was).
+    time: Option<DateTime<Utc>>,
+    /// The max LSN when the copy started: every change row above it was
+    /// committed after the copy's point.
+    before: Lsn,
+    /// For a time: the newest mapping row 2 s or more before it (the
+    /// capture job had every commit up to the time when the copy started).
+    floor: Option<Lsn>,
+    reseed: bool,
+    /// The table's rows as the copy holds them (texts over the table's
+    /// columns then, as [`texts`] writes them).
+    rows: Vec<String>,
+    /// A seed call with this copy succeeded.
+    done: bool,
+}
+
+/// The step names of seed calls: the bootstrap's copy (and its reruns), and the pending reseed's.
+const SEED: &str = "seed";
+const RESEED: &str = "seed --reseed";
+
+/// Mixed into a schedule's seed for the generator of its seed draws (module
+/// docs): a schedule that does not seed draws exactly what it drew before
+/// seeds were added to the tester.
+const SEED_DRAWS: u64 = 0x5eed_c0b1_0025_0025;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct CleanupDone {
@@ -718,6 +825,168 @@ fn load_model(dir: &Path) -> Result<Model, String> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Model::default()),
         Err(e) => Err(format!("cannot read model.json: {e}")),
     }
+}
+
+/// The command line of a seed call with `copy`.
+fn seed_args(dir: &Path, copy: &SeedCopy) -> Vec<String> {
+    let path = std::path::absolute(dir.join(&copy.copy)).unwrap_or_else(|_| dir.join(&copy.copy));
+    let mut argv = vec![SEED.to_string(), "--copy".into(), path.display().to_string(), "--as-of".into(), copy.as_of.clone()];
+    if copy.reseed {
+        argv.push("--reseed".into());
+    }
+    argv
+}
+
+/// The command line of step `step`: a seed's with the bootstrap's copy
+/// ([`SEED`]) or the pending reseed's ([`RESEED`]).
+fn call_args(step: &str, dir: &Path, model: &Model) -> Result<Vec<String>, String> {
+    Ok(match step {
+        "backfill" => vec!["backfill".into(), "--max-waves".into(), "1".into()],
+        SEED => seed_args(dir, model.seeds.first().ok_or("a seed call before the copy was taken")?),
+        RESEED => seed_args(dir, model.seeds.last().filter(|c| c.reseed).ok_or("a reseed call without a reseed's copy")?),
+        other => vec![other.to_string()],
+    })
+}
+
+/// Records that a seed call (`step`) succeeded: its copy is done.
+fn mark_seeded(model: &mut Model, step: &str, dir: &Path) -> Result<(), String> {
+    let copy = match step {
+        SEED => model.seeds.first_mut(),
+        RESEED => model.seeds.last_mut(),
+        _ => None,
+    };
+    let Some(c) = copy else { return Ok(()) };
+    if c.done {
+        return Ok(());
+    }
+    c.done = true;
+    save_model(dir, model)
+}
+
+/// Calls `seed` with every copy not done yet until it succeeds (the drain's first part).
+fn finish_seeds(wf: &Path, dir: &Path, model: &mut Model) -> Result<(), String> {
+    for i in 0..model.seeds.len() {
+        if model.seeds[i].done {
+            continue;
+        }
+        let owned = seed_args(dir, &model.seeds[i]);
+        let argv: Vec<&str> = owned.iter().map(String::as_str).collect();
+        call_until_ok(wf, &argv)?;
+        model.seeds[i].done = true;
+        save_model(dir, model)?;
+    }
+    Ok(())
+}
+
+/// The table's rows as one read-committed read sees them now: texts over `columns`.
+async fn table_texts(src: &dyn CdcSource, table: &TableName, columns: &[ColumnDesc]) -> Result<Vec<String>, String> {
+    let names: Vec<String> = columns.iter().map(|c| c.name.clone()).collect();
+    let read = SnapshotRead { table: table.clone(), columns: columns.to_vec(), keys: vec![], range: KeyRange::all(), isolation: Isolation::ReadCommitted, batch_rows: 1000 };
+    let mut stream = src.snapshot_read(&read).await.map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    while let Some(b) = stream.next().await {
+        out.extend(texts(&b.map_err(|e| e.to_string())?, &names)?);
+    }
+    Ok(out)
+}
+
+/// Takes a copy of the table for `seed` the way a user takes one (module
+/// docs), records it in `model` (not yet done) and returns true; false when
+/// a reseed's table stayed empty (`seed` refuses an empty copy). Between
+/// calls, with no fault armed.
+#[allow(clippy::too_many_arguments)]
+fn take_copy(
+    db: &SimDb,
+    table: &TableName,
+    shape: Shape,
+    writer: &mut Writer,
+    dir: &Path,
+    reseed: bool,
+    rng: &mut SmallRng,
+    trt: &tokio::runtime::Runtime,
+    model: &mut Model,
+    report: &mut TortureReport,
+) -> Result<bool, String> {
+    if reseed {
+        // A commit after the last copy (captured below): the reseed's L is above the last seed's.
+        writer.transaction(db, rng)?;
+        report.transactions += 1;
+        db.advance_clock(Duration::from_secs(1)).map_err(|e| e.to_string())?;
+    }
+    let mut tries = 0;
+    while db.row_count(table).map_err(|e| e.to_string())? == 0 {
+        tries += 1;
+        if tries > 20 {
+            if reseed {
+                return Ok(false);
+            }
+            return Err("the table stayed empty through twenty writer transactions: no copy to seed from".into());
+        }
+        writer.transaction(db, rng)?;
+        report.transactions += 1;
+        db.advance_clock(Duration::from_secs(1)).map_err(|e| e.to_string())?;
+    }
+    let by_time = rng.random_bool(0.5);
+    // Past any capture lag (at most 4 s), then a capture scan: the capture
+    // job holds every commit so far. Always for a time (a commit before it
+    // captured only later would move its mapping between two seed calls),
+    // a heap (its copy must hold no commit after L) and a reseed (its L must
+    // be above the last seed's); for a keyed copy by LSN, in half the
+    // copies (the copy then also holds commits the max LSN is below).
+    if by_time || reseed || shape == Shape::Heap || rng.random_bool(0.5) {
+        db.advance_clock(Duration::from_secs(5)).map_err(|e| e.to_string())?;
+        db.capture().map_err(|e| e.to_string())?;
+    }
+    let src = db.source().map_err(|e| e.to_string())?;
+    let before = db.max_lsn().map_err(|e| e.to_string())?.ok_or("the source has no max LSN to take a copy at")?;
+    let time = db.now().map_err(|e| e.to_string())?;
+    let floor = if by_time {
+        // The simulator's zone is UTC: its mapping times are UTC.
+        trt.block_on(src.time_to_lsn(TimeOp::LargestLessThanOrEqual, (time - chrono::Duration::seconds(2)).naive_utc())).map_err(|e| e.to_string())?
+    } else {
+        None
+    };
+    // The writer goes on while the copy runs: commits after the copy's
+    // point that the copy holds, which the stream replays. Not for a heap,
+    // whose silver would count them twice (a seed has no read fence).
+    if shape != Shape::Heap {
+        let writes: u32 = rng.random_range(0..=2);
+        for _ in 0..writes {
+            writer.transaction(db, rng)?;
+            report.transactions += 1;
+            db.advance_clock(Duration::from_secs(1)).map_err(|e| e.to_string())?;
+            if rng.random_bool(0.5) {
+                db.capture().map_err(|e| e.to_string())?;
+            }
+        }
+    }
+    let columns = db.table_spec(table).map_err(|e| e.to_string())?.columns;
+    let rows = trt.block_on(table_texts(&src, table, &columns))?;
+    let name = format!("copy-{}", model.seeds.len());
+    let path = std::path::absolute(dir.join(&name)).unwrap_or_else(|_| dir.join(&name));
+    let files: usize = rng.random_range(1..=16);
+    let written = trt.block_on(crate::seed_copy::export_parquet(&src, table, &columns, &path, files)).map_err(|e| format!("exporting the copy: {e}"))?;
+    if written != rows.len() as u64 {
+        return Err(format!("the copy holds {written} rows, but the table read just before it {}", rows.len()));
+    }
+    let as_of = match (by_time, rng.random_bool(0.5)) {
+        (false, _) => before.to_hex(),
+        (true, true) => time.to_rfc3339(),
+        (true, false) => time.with_timezone(&chrono::FixedOffset::west_opt(3 * 3600).expect("an offset")).to_rfc3339(),
+    };
+    model.seeds.push(SeedCopy {
+        copy: name,
+        as_of,
+        lsn: (!by_time).then_some(before),
+        time: by_time.then_some(time),
+        before,
+        floor,
+        reseed,
+        rows,
+        done: false,
+    });
+    save_model(dir, model)?;
+    Ok(true)
 }
 
 /// Server errors the client classifies as transient (see `mssql::client`).
@@ -900,7 +1169,11 @@ async fn cleanup(
     model: &mut Model,
 ) -> Result<bool, String> {
     let Some(rows) = fact_rows(facts, "t").await? else { return Ok(false) };
-    let Some(streamed) = rows.iter().filter_map(stream_point).max() else { return Ok(false) };
+    // Where the newest live generation stands: after a reseed, whose S may
+    // be below where the older generation had read, the stream is there
+    // (without reseeds the newest generation's points are the highest).
+    let newest = rows.iter().filter(|r| stream_point(r).is_some()).map(|r| r.generation).max();
+    let Some(streamed) = rows.iter().filter(|r| Some(r.generation) == newest).filter_map(stream_point).max() else { return Ok(false) };
     let src = db.source().map_err(|e| e.to_string())?;
     // The table's columns now (a switch's added column once it is there).
     let names: Vec<String> = db.table_spec(table).map_err(|e| e.to_string())?.columns.iter().map(|c| c.name.clone()).collect();
@@ -969,8 +1242,8 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
         DataLoss::None
     };
     let loss = match overrides.data_loss {
-        // A forced switch keeps the schedule free of data loss unless told otherwise.
-        None if overrides.switch == Some(true) => DataLoss::None,
+        // A forced switch or reseed keeps the schedule free of data loss unless told otherwise.
+        None if overrides.switch == Some(true) || overrides.reseed == Some(true) => DataLoss::None,
         None => drawn_loss,
         Some("none") => DataLoss::None,
         Some("resnapshot") => DataLoss::Resnapshot,
@@ -982,10 +1255,29 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
     // newer instance's start before the stream switched would leave the two
     // instances with one start LSN, and no rule to tell the newer one by.
     let drawn_switch = rng.random_bool(0.2) && loss == DataLoss::None;
-    let switch = overrides.switch.unwrap_or(drawn_switch);
+    // A forced reseed keeps the schedule free of a switch unless told otherwise.
+    let switch = overrides.switch.unwrap_or(drawn_switch && overrides.reseed != Some(true));
     if switch && loss != DataLoss::None {
         return Err("the overrides ask for a capture-instance switch with a data loss; a switch needs data_loss \"none\"".into());
     }
+    // A seed bootstrap, and reseeds (module docs), from a generator of their
+    // own: the draws above and the main generator's stay what they were.
+    let mut srng = SmallRng::seed_from_u64(seed ^ SEED_DRAWS);
+    let drawn_seed = srng.random_bool(0.2);
+    let seeded = match (overrides.seed, overrides.reseed) {
+        (Some(false), Some(true)) => return Err("the overrides ask for a reseed without a seed bootstrap".into()),
+        (Some(s), _) => s,
+        (None, Some(true)) => true,
+        (None, _) => drawn_seed,
+    };
+    // Legal only where nothing else takes a snapshot (no data loss, so no
+    // recovery) and the copy is fitted to one capture instance (no switch).
+    let reseeds = seeded && loss == DataLoss::None && !switch && overrides.reseed != Some(false);
+    if overrides.reseed == Some(true) && !reseeds {
+        return Err("the overrides ask for a reseed with a data loss or a capture-instance switch; a reseed needs data_loss \"none\" and no switch".into());
+    }
+    let reseed_first = overrides.reseed == Some(true);
+    let mut reseeds_made = 0u32;
     let draws = Draws {
         fault_share: overrides.fault_share.unwrap_or(drawn_fault_share).clamp(0.0, 1.0),
         big: overrides.big_transactions.unwrap_or(drawn_big),
@@ -1048,12 +1340,6 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
     let trt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
 
     let steps: &[&str] = if chunked { &["stream", "backfill", "apply", "reconcile", "status"] } else { &["stream", "apply", "reconcile", "status"] };
-    let step_args = |s: &'static str| -> Vec<&'static str> {
-        match s {
-            "backfill" => vec!["backfill", "--max-waves", "1"],
-            other => vec![other],
-        }
-    };
     let mut uncaptured = false;
     let mut bigs = 0u32;
     let mut call_events = 0u32;
@@ -1085,7 +1371,9 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
         // A capture-instance switch before this event's call (module docs):
         // the column and the instance that captures it at once, then a write
         // the newer instance captures.
-        if draws.switch && model.switch_start.is_none() && ((draws.switch_first && call_events >= 3) || rng.random_bool(0.15)) {
+        // Not before a seed bootstrap is done: the seed is fitted to the instance the stream is on.
+        let seed_settled = !seeded || model.seeds.first().is_some_and(|c| c.done);
+        if draws.switch && model.switch_start.is_none() && seed_settled && ((draws.switch_first && call_events >= 3) || rng.random_bool(0.15)) {
             db.add_column(&table, ColumnDesc::new(EXTRA_COLUMN, SqlType::NVarChar { len: Some(16) }, true)).map_err(|e| e.to_string())?;
             let instance = db.enable_cdc(&table, Some(NEXT_INSTANCE), None).map_err(|e| e.to_string())?;
             model.switch_start = Some(instance.start_lsn.ok_or("the capture instance the switch enabled has no start LSN")?);
@@ -1098,8 +1386,11 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
             db.capture().map_err(|e| e.to_string())?;
         }
         // A cleanup before this event's call, between calls as the cleanup
-        // job runs beside the steps (never during a read: see the module docs).
-        if (draws.cleanups || draws.loss != DataLoss::None) && rng.random_bool(0.2) {
+        // job runs beside the steps (never during a read: see the module
+        // docs), and not while a reseed is pending (it could purge the
+        // changes right after the newer copy's point).
+        let reseed_pending = model.seeds.iter().any(|c| c.reseed && !c.done);
+        if (draws.cleanups || draws.loss != DataLoss::None) && rng.random_bool(0.2) && !reseed_pending {
             let past = draws.loss != DataLoss::None && (!draws.cleanups || rng.random_bool(0.5));
             if trt.block_on(cleanup(&db, &table, &facts_location, shape.model_filter(), past, &mut rng, &mut model))? {
                 if past {
@@ -1110,6 +1401,21 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
                 save_model(dir, &model)?;
             }
         }
+        // A copy for `seed` (module docs), before any fault is armed: the
+        // bootstrap's at the schedule's first call event; a reseed's now and
+        // then once every seed so far is done.
+        if seeded && model.seeds.is_empty() {
+            take_copy(&db, &table, shape, &mut writer, dir, false, &mut srng, &trt, &mut model, report)?;
+            report.seeded += 1;
+        } else if reseeds
+            && reseeds_made < 2
+            && model.seeds.iter().all(|c| c.done)
+            && ((reseed_first && reseeds_made == 0) || srng.random_bool(0.12))
+            && take_copy(&db, &table, shape, &mut writer, dir, true, &mut srng, &trt, &mut model, report)?
+        {
+            reseeds_made += 1;
+            report.reseeds += 1;
+        }
         let weights = |s: &str| match s {
             "stream" => 40,
             "backfill" => 30,
@@ -1117,16 +1423,34 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
             "reconcile" => 8,
             _ => 4,
         };
-        let total: u32 = steps.iter().map(|s| weights(s)).sum();
+        // The steps and their weights: until the bootstrap's seed is done,
+        // only `seed` and `status` (an orchestrator seeds before it schedules
+        // the rest: a stream or backfill would take a snapshot); after it,
+        // the steps, the seed again now and then, and a pending reseed often.
+        let bootstrap_pending = seeded && model.seeds.first().is_some_and(|c| !c.done);
+        let reseed_pending = model.seeds.iter().any(|c| c.reseed && !c.done);
+        let mix: Vec<(&'static str, u32)> = if bootstrap_pending {
+            vec![(SEED, 3), ("status", 1)]
+        } else {
+            let mut m: Vec<(&'static str, u32)> = steps.iter().map(|s| (*s, weights(s))).collect();
+            if seeded {
+                m.push((SEED, 3));
+            }
+            if reseed_pending {
+                m.push((RESEED, 60));
+            }
+            m
+        };
+        let total: u32 = mix.iter().map(|(_, w)| *w).sum();
         let draw = |rng: &mut SmallRng| {
             let mut x = rng.random_range(0..total);
-            for s in steps {
-                if x < weights(s) {
+            for (s, w) in &mix {
+                if x < *w {
                     return *s;
                 }
-                x -= weights(s);
+                x -= *w;
             }
-            steps[0]
+            mix[0].0
         };
         let crash = |rng: &mut SmallRng| if rng.random_bool(0.3) { Some(rng.random_range(1..600)) } else { None };
         // A source fault for this event's call (or either of two at once).
@@ -1134,11 +1458,14 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
         if roll < 85 {
             let s = draw(&mut rng);
             *report.steps.entry(s.into()).or_default() += 1;
+            let owned = call_args(s, dir, &model)?;
+            let argv: Vec<&str> = owned.iter().map(String::as_str).collect();
+            let mut succeeded = false;
             if let (Some(bin), true) = (&args.binary, rng.random_bool(0.08)) {
                 let after = Duration::from_millis(rng.random_range(20..600));
-                match call_killed(bin, &wf, &step_args(s), after)? {
+                match call_killed(bin, &wf, &argv, after)? {
                     None => report.kills += 1,
-                    Some((code, _)) if code == EXIT_OK || code == EXIT_TEMPORARY => {}
+                    Some((code, _)) if code == EXIT_OK || code == EXIT_TEMPORARY => succeeded = code == EXIT_OK,
                     // reconcile's "not clean" mid-run is judged after the drain.
                     Some((3, _)) if s == "reconcile" => {}
                     // reconcile before the first apply: as judged in process.
@@ -1147,7 +1474,12 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
                 }
             } else {
                 let c = crash(&mut rng);
-                judge(s, call(&wf, &step_args(s), c), report)?;
+                let ended = call(&wf, &argv, c);
+                succeeded = matches!(ended, Ended::Done(_, EXIT_OK));
+                judge(s, ended, report)?;
+            }
+            if succeeded {
+                mark_seeded(&mut model, s, dir)?;
             }
         } else {
             // Two calls at once, as two processes would make them.
@@ -1157,13 +1489,19 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
             *report.steps.entry(a.into()).or_default() += 1;
             *report.steps.entry(b.into()).or_default() += 1;
             let (wa, wb) = (wf.clone(), wf.clone());
-            let (aa, ab) = (step_args(a), step_args(b));
-            let ta = std::thread::spawn(move || call(&wa, &aa, ca));
-            let tb = std::thread::spawn(move || call(&wb, &ab, cb));
+            let (aa, ab) = (call_args(a, dir, &model)?, call_args(b, dir, &model)?);
+            let ta = std::thread::spawn(move || call(&wa, &aa.iter().map(String::as_str).collect::<Vec<_>>(), ca));
+            let tb = std::thread::spawn(move || call(&wb, &ab.iter().map(String::as_str).collect::<Vec<_>>(), cb));
             let ea = ta.join().map_err(|_| format!("{a} panicked"))?;
             let eb = tb.join().map_err(|_| format!("{b} panicked"))?;
+            let (oka, okb) = (matches!(ea, Ended::Done(_, EXIT_OK)), matches!(eb, Ended::Done(_, EXIT_OK)));
             judge(a, ea, report)?;
             judge(b, eb, report)?;
+            for (step, ok) in [(a, oka), (b, okb)] {
+                if ok {
+                    mark_seeded(&mut model, step, dir)?;
+                }
+            }
         }
         if armed > 0 {
             let left = armed_faults(&db)?;
@@ -1173,8 +1511,24 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
             }
         }
     }
+    // A schedule that seeds and had no call event takes its copy now; the
+    // drain first calls every seed still pending until it is done (a forced
+    // reseed that found no call event after the seed takes its copy here).
+    if seeded && model.seeds.is_empty() {
+        take_copy(&db, &table, shape, &mut writer, dir, false, &mut srng, &trt, &mut model, report)?;
+        report.seeded += 1;
+    }
+    finish_seeds(&wf, dir, &mut model)?;
+    if reseed_first && reseeds_made == 0 && take_copy(&db, &table, shape, &mut writer, dir, true, &mut srng, &trt, &mut model, report)? {
+        reseeds_made += 1;
+        report.reseeds += 1;
+        finish_seeds(&wf, dir, &mut model)?;
+    }
     drop(trt);
     let checked = drain_and_check(&db, &table, shape, chunked, &wf, &columns, &model)?;
+    if checked.reseeds != reseeds_made {
+        return Err(format!("the schedule made {reseeds_made} reseeds, but the checks matched {} to the facts", checked.reseeds));
+    }
     if checked.skipped > 0 && draws.loss != DataLoss::Skip {
         return Err(format!(
             "the facts record {} skipped ranges, but the workflow says on_data_loss = \"{}\"",
@@ -1370,6 +1724,8 @@ struct Checked {
     recoveries: u32,
     /// `data_skipped` rows, each matched to a real purge.
     skipped: u32,
+    /// Reseeds' generations, each matched to a copy the schedule took.
+    reseeds: u32,
 }
 
 /// The checks of the module doc, against the simulator's own rows and change
@@ -1385,9 +1741,15 @@ async fn check(db: &SimDb, table: &TableName, shape: Shape, wf: &Path, model: &M
     if skipped == 0 {
         silver_matches_table(db, table, &loc("silver"), &columns).await?;
     }
-    bronze_matches_model(db, table, &loc("bronze"), &columns, shape.model_filter(), &gens, model).await?;
+    let names: Vec<String> = columns.iter().map(|c| c.name.clone()).collect();
+    let log = model_log(db, table, shape.model_filter(), &names, model).await?;
+    let bronze = delta::open_existing(&loc("bronze"), &Default::default()).await.map_err(|e| e.to_string())?.ok_or("bronze was never created")?;
+    if let Err(e) = bronze_matches_model(&bronze, &names, &gens, &log).await {
+        return Err(format!("{e}{}", unrepaired_batches(&bronze, &rows, &gens).await));
+    }
+    let reseeds = seeds_match_copies(db, &bronze, &names, &rows, &gens, model, &log).await?;
     losses_match_purges(&gens, model)?;
-    Ok(Checked { recoveries: gens.len().saturating_sub(1) as u32, skipped: skipped as u32 })
+    Ok(Checked { recoveries: gens.iter().skip(1).filter(|g| !g.seeded).count() as u32, skipped: skipped as u32, reseeds })
 }
 
 /// One generation of the stream as the facts record it (see the module docs).
@@ -1399,6 +1761,14 @@ struct Generation {
     /// Its last batch's end (S without batches).
     end: Lsn,
     skips: Vec<Skipped>,
+    /// Its snapshot is a seed's (the facts' completion row says so).
+    seeded: bool,
+}
+
+/// A seed's completion row: `bootstrap` or `resnapshot` with `"mode": "seed"`.
+fn is_seed_completion(r: &FactRow) -> bool {
+    matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT))
+        && r.detail.as_ref().and_then(|d| d.get("mode")).and_then(Value::as_str) == Some("seed")
 }
 
 /// A `data_skipped` row: `[from, to)` was skipped, and its batch read from `to`.
@@ -1418,7 +1788,11 @@ fn generations(rows: &[FactRow]) -> Result<Vec<Generation>, String> {
     let mut starts: BTreeMap<i32, Lsn> = BTreeMap::new();
     let mut batches: BTreeMap<i32, Vec<&FactRow>> = BTreeMap::new();
     let mut skips: BTreeMap<(i32, i64), Vec<Skipped>> = BTreeMap::new();
+    let mut seeded: std::collections::BTreeSet<i32> = std::collections::BTreeSet::new();
     for r in rows {
+        if is_seed_completion(r) {
+            seeded.insert(r.generation);
+        }
         match r.event.as_deref() {
             None if r.batch_id.is_some() => batches.entry(r.generation).or_default().push(r),
             Some(EVENT_DATA_SKIPPED) => {
@@ -1486,12 +1860,22 @@ fn generations(rows: &[FactRow]) -> Result<Vec<Generation>, String> {
             }
             next_from = to.increment();
         }
+        let is_seeded = seeded.contains(&number);
         if let Some(prev) = out.last() {
-            if s <= prev.end {
+            if is_seeded {
+                // A reseed's copy may stand before where the older generation
+                // had read; it never stands at or before its S.
+                if s <= prev.s {
+                    return Err(format!(
+                        "generation {number} (a reseed's) starts at {s}, not after generation {}'s S {}: a reseed never goes back",
+                        prev.number, prev.s
+                    ));
+                }
+            } else if s <= prev.end {
                 return Err(format!("generation {number} starts at {s}, not after generation {} ended at {}", prev.number, prev.end));
             }
         }
-        out.push(Generation { number, s, end: next_from.decrement(), skips: gen_skips });
+        out.push(Generation { number, s, end: next_from.decrement(), skips: gen_skips, seeded: is_seeded });
     }
     if let Some(((g, b), _)) = skips.iter().next() {
         return Err(format!("a data_skipped row names batch {b} of generation {g}, which has no batch row"));
@@ -1502,40 +1886,163 @@ fn generations(rows: &[FactRow]) -> Result<Vec<Generation>, String> {
     Ok(out)
 }
 
-/// The reference check of bronze across generations, cleanups and skips:
-/// its change rows (every column, with the rank columns) against the
-/// model's change log (the rows the cleanups purged, and what the change
-/// function returns now) of each generation's range, less the skipped
-/// ranges, as multisets.
-async fn bronze_matches_model(
-    db: &SimDb,
-    table: &TableName,
-    bronze: &str,
-    columns: &[ColumnDesc],
-    filter: RowFilter,
-    generations: &[Generation],
-    model: &Model,
-) -> Result<(), String> {
-    let names: Vec<String> = columns.iter().map(|c| c.name.clone()).collect();
+/// The model's change log (module docs): the rows the cleanups purged,
+/// padded to `names` (the added column NULL), then what the change function
+/// returns now, texts with the rank columns, then `names`.
+async fn model_log(db: &SimDb, table: &TableName, filter: RowFilter, names: &[String], model: &Model) -> Result<Vec<(Lsn, String)>, String> {
     let src = db.source().map_err(|e| e.to_string())?;
     // The rank columns, then the table's.
     let fields = 4 + names.len();
     let mut log: Vec<(Lsn, String)> = model.purged.iter().map(|(l, t)| (*l, pad_fields(t, fields))).collect();
-    log.extend(current_log(&src, table, filter, &names, model.switch_start).await?);
+    log.extend(current_log(&src, table, filter, names, model.switch_start).await?);
+    Ok(log)
+}
+
+/// The reference check of bronze across generations, cleanups, skips and
+/// reseeds: its change rows (every column, with the rank columns) against
+/// the model's change log of each generation's range, less the skipped
+/// ranges, as multisets. A row counts once for each generation whose range
+/// holds it: at most one, except after a reseed whose S is before where the
+/// older generation had read (the newer generation writes those changes again).
+async fn bronze_matches_model(bronze: &deltalake::DeltaTable, names: &[String], generations: &[Generation], log: &[(Lsn, String)]) -> Result<(), String> {
     let newest = generations.len() - 1;
     let mut model_rows = Multiset::new();
     for (lsn, text) in log {
-        let Some(g) = generations.iter().enumerate().find(|(i, g)| lsn > g.s && (*i == newest || lsn <= g.end)).map(|(_, g)| g) else {
-            continue;
-        };
-        if g.skips.iter().any(|k| lsn >= k.from && lsn < k.to) {
-            continue;
+        for (i, g) in generations.iter().enumerate() {
+            if *lsn <= g.s || (i != newest && *lsn > g.end) {
+                continue;
+            }
+            if g.skips.iter().any(|k| *lsn >= k.from && *lsn < k.to) {
+                continue;
+            }
+            *model_rows.entry(text.clone()).or_default() += 1;
         }
-        *model_rows.entry(text).or_default() += 1;
     }
-    let bronze = delta::open_existing(bronze, &Default::default()).await.map_err(|e| e.to_string())?.ok_or("bronze was never created")?;
-    let held = bronze_change_rows(&bronze, &names).await?;
+    let held = bronze_change_rows(bronze, names).await?;
     diff("bronze's change rows (target) and the simulator's change log (source)", &held, &model_rows)
+}
+
+/// For a failed bronze check: the batches bronze holds for a generation
+/// older than the newest without their facts rows (a call cut between its
+/// bronze and facts commits, never repaired: the next call repairs only its
+/// own generation's), as a sentence to append, or nothing.
+async fn unrepaired_batches(bronze: &deltalake::DeltaTable, rows: &[FactRow], generations: &[Generation]) -> String {
+    let mut found = Vec::new();
+    for g in generations.iter().take(generations.len().saturating_sub(1)) {
+        let app = crate::engine::generation_app_id("t", g.number);
+        let Ok(Some(held)) = delta::txn_version(bronze, &app).await else { continue };
+        let recorded = rows.iter().filter(|r| r.generation == g.number && r.event.is_none()).filter_map(|r| r.batch_id).max();
+        if recorded.is_none_or(|f| held > f) {
+            found.push(format!("generation {}'s bronze holds batch {held}, its facts {}", g.number, recorded.map_or("none".to_string(), |f| format!("up to batch {f}"))));
+        }
+    }
+    if found.is_empty() {
+        String::new()
+    } else {
+        format!(" (a batch of an older generation in bronze without its facts row, never repaired: {})", found.join("; "))
+    }
+}
+
+/// The reference check of the seeds (module docs): the facts' seed
+/// completions are the schedule's copies, one each, in order; each one's L
+/// keeps the copy's `--as-of`; bronze's whole-snapshot rows at those Ls are
+/// the copies' rows, stamped as a seed stamps them, as a multiset (without
+/// a data loss, bronze's only whole-snapshot rows). Returns the reseeds.
+async fn seeds_match_copies(
+    db: &SimDb,
+    bronze: &deltalake::DeltaTable,
+    names: &[String],
+    facts: &[FactRow],
+    generations: &[Generation],
+    model: &Model,
+    log: &[(Lsn, String)],
+) -> Result<u32, String> {
+    let mut completions: Vec<&FactRow> = facts.iter().filter(|r| is_seed_completion(r)).collect();
+    completions.sort_by_key(|r| r.generation);
+    if completions.is_empty() && model.seeds.is_empty() {
+        return Ok(0);
+    }
+    if completions.len() != model.seeds.len() {
+        return Err(format!(
+            "the facts record {} seeds (generations {:?}), but the schedule took {} copies and seeded from each once",
+            completions.len(),
+            completions.iter().map(|r| r.generation).collect::<Vec<_>>(),
+            model.seeds.len()
+        ));
+    }
+    let src = db.source().map_err(|e| e.to_string())?;
+    let null = "\u{2400}NULL";
+    let mut expected = Multiset::new();
+    let mut points: Vec<String> = Vec::new();
+    for (i, (r, copy)) in completions.iter().zip(&model.seeds).enumerate() {
+        let l = r.max_lsn.ok_or_else(|| format!("the seed completion of generation {} has no LSN", r.generation))?;
+        let what = format!("the seed from {} (--as-of {}, generation {}, at {l})", copy.copy, copy.as_of, r.generation);
+        if i == 0 && (r.generation != 0 || generations.first().map(|g| g.number) != Some(0)) {
+            return Err(format!("{what} is the schedule's bootstrap, but not generation 0's snapshot"));
+        }
+        let g = generations.iter().find(|g| g.number == r.generation).ok_or_else(|| format!("{what} started no generation"))?;
+        if g.s != l {
+            return Err(format!("{what}: its generation starts at {}, not at the seed", g.s));
+        }
+        match (copy.lsn, copy.time) {
+            (Some(at), _) => {
+                if l != at {
+                    return Err(format!("{what} does not stand at the LSN it was given"));
+                }
+            }
+            (None, Some(t)) => {
+                if let Some(f) = copy.floor {
+                    if l < f {
+                        return Err(format!("{what} stands before {f}, the newest commit 2 s or more before the copy started"));
+                    }
+                }
+                // Every change row above `before` was committed after the copy's point.
+                if let Some((x, _)) = log.iter().find(|(x, _)| *x > copy.before && *x <= l) {
+                    return Err(format!("{what} stands at or after {x}, a change committed after the copy started at {t}: the stream skips it"));
+                }
+                if let Some(at) = src.lsn_to_time(l).await.map_err(|e| e.to_string())? {
+                    if at > t.naive_utc() {
+                        return Err(format!("{what} maps to {at}, after the copy started at {t}"));
+                    }
+                }
+            }
+            (None, None) => return Err(format!("copy {} has neither an LSN nor a time in model.json", copy.copy)),
+        }
+        let lh = l.to_hex();
+        for row in &copy.rows {
+            *expected.entry(format!("{lh} | {lh} | {null} | {null} | {null} | {}", pad_fields(row, names.len()))).or_default() += 1;
+        }
+        points.push(lh);
+    }
+    let mut cols: Vec<String> = [
+        crate::delta::bronze::START_LSN,
+        crate::delta::bronze::SNAPSHOT,
+        crate::delta::bronze::SEQVAL,
+        crate::delta::bronze::COMMAND_ID,
+        crate::delta::bronze::BATCH_ID,
+    ]
+    .iter()
+    .map(|c| c.to_string())
+    .collect();
+    cols.extend(names.iter().cloned());
+    // After a data loss the recoveries' full snapshots are bronze's too
+    // (and one cut after its bronze commit); without one, nothing but a seed
+    // takes a snapshot here.
+    let lossy = model.cleanups.iter().any(|c| c.past);
+    let mut held = Multiset::new();
+    for b in delta::query(bronze, "SELECT * FROM t WHERE _operation = 0 AND _chunk IS NULL").await.map_err(|e| e.to_string())? {
+        for t in texts(&b, &cols)? {
+            let mut f = t.split(" | ");
+            let (start, snapshot) = (f.next().unwrap_or_default(), f.next().unwrap_or_default());
+            let point = if snapshot == null { start } else { snapshot };
+            if lossy && !points.iter().any(|p| p == point) {
+                continue;
+            }
+            *held.entry(t).or_default() += 1;
+        }
+    }
+    diff("bronze's snapshot rows (target) and the copies the schedule seeded from (source)", &held, &expected)?;
+    Ok(completions.len().saturating_sub(1) as u32)
 }
 
 /// Every move to a newer generation and every skipped range matches a
@@ -1543,6 +2050,10 @@ async fn bronze_matches_model(
 fn losses_match_purges(generations: &[Generation], model: &Model) -> Result<(), String> {
     for w in generations.windows(2) {
         let (old, new) = (&w[0], &w[1]);
+        // A reseed's generation matches a copy the schedule took instead ([`seeds_match_copies`]).
+        if new.seeded {
+            continue;
+        }
         if !model.cleanups.iter().any(|c| c.streamed_to <= old.end && c.watermark > old.end.increment()) {
             return Err(format!(
                 "generation {} started (S {}) after generation {} ended at {}, but no cleanup purged the changes right after that end \

@@ -109,6 +109,9 @@ pub struct WholeSnapshot {
     pub rows: Option<i64>,
     /// The generation whose completion row names it, when the facts have one.
     pub generation: Option<i32>,
+    /// For a seed, the copy and `--as-of` (as its completion row records
+    /// them) it was made from.
+    pub seeded_from: Option<(String, String)>,
 }
 
 /// The JSON result of a `seed` call.
@@ -155,6 +158,8 @@ pub enum SeedDecision {
 /// Everything [`decide`] looks at.
 #[derive(Debug, Clone)]
 pub struct SeedInput {
+    /// The copy given (`--copy`).
+    pub copy: String,
     pub as_of: AsOf,
     /// L: the LSN given, or the time's mapping (None when nothing maps).
     pub lsn: Option<Lsn>,
@@ -183,6 +188,14 @@ pub struct SeedInput {
 /// seed already there is returned whatever happened since (cleanup, a newer
 /// snapshot); then the checks that refuse; then the write.
 pub fn decide(input: &SeedInput) -> SeedDecision {
+    // The same copy and `--as-of` as a seed the target holds is a rerun of
+    // it, whatever the time maps to now: under capture lag a commit before
+    // the time may have been captured since the first call (the time then
+    // maps to a later L), or cleanup may have removed the time's mapping.
+    let as_of = as_of_text(&input.as_of);
+    if let Some(s) = input.snapshots.iter().find(|s| s.seeded_from.as_ref().is_some_and(|(c, a)| *c == input.copy && *a == as_of)) {
+        return SeedDecision::AlreadySeeded(s.clone());
+    }
     let at = |l: Lsn| input.snapshots.iter().find(|s| s.lsn == l).cloned();
     let lsn = match (input.lsn, &input.as_of) {
         (Some(l), _) => {
@@ -283,7 +296,16 @@ pub async fn run(ctx: &mut Context, args: &SeedArgs) -> StepResult<SeedResult> {
     if finish_interrupted_seed(ctx, &facts_rows).await? {
         facts_rows = super::state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
     }
-    let st = super::state::load(ctx).await?;
+    let mut st = super::state::load(ctx).await?;
+    // A batch the stream committed to bronze without its facts row (a crash
+    // between the two commits) belongs to the running generation. A reseed
+    // starts the next one, and each stream call repairs only its own
+    // generation's batches: left for later, the batch would stay in bronze
+    // with no facts row for good. So it is recorded first, as the stream's
+    // next call would have.
+    if !super::stream::repair(ctx, &st).await?.is_empty() {
+        st = super::state::load(ctx).await?;
+    }
     let snapshots = whole_snapshots(ctx, &facts_rows).await?;
     let lsn = match &args.as_of {
         AsOf::Lsn(l) => Some(*l),
@@ -298,6 +320,7 @@ pub async fn run(ctx: &mut Context, args: &SeedArgs) -> StepResult<SeedResult> {
     let min_lsn = ctx.source.min_lsn(&ctx.instance.name).await?;
     let snapshot_txn_generation = delta::txn_version(&ctx.bronze, &format!("{}#snapshot", ctx.workflow.app_id)).await?.map(|v| v as i32);
     let input = SeedInput {
+        copy: args.copy.clone(),
         as_of: args.as_of.clone(),
         lsn,
         snapshots,
@@ -521,17 +544,22 @@ async fn whole_snapshots(ctx: &Context, facts_rows: &[FactRow]) -> StepResult<Ve
                 commit_ts: if ts.is_null(i) { None } else { DateTime::from_timestamp_micros(ts.value(i)) },
                 rows: Some(n.value(i)),
                 generation: None,
+                seeded_from: None,
             });
         }
     }
     for r in facts_rows.iter().filter(|r| is_completion(r)) {
         let Some(l) = r.max_lsn else { continue };
+        let seeded_from = r.detail.as_ref().filter(|d| d.get("mode").and_then(Value::as_str) == Some("seed")).and_then(|d| {
+            Some((d.get("copy")?.as_str()?.to_string(), d.get("as_of")?.as_str()?.to_string()))
+        });
         match out.iter_mut().find(|s| s.lsn == l) {
             Some(s) => {
                 s.generation = Some(r.generation);
                 s.commit_ts = s.commit_ts.or(r.commit_ts);
+                s.seeded_from = s.seeded_from.take().or(seeded_from);
             }
-            None => out.push(WholeSnapshot { lsn: l, commit_ts: r.commit_ts, rows: r.rows, generation: Some(r.generation) }),
+            None => out.push(WholeSnapshot { lsn: l, commit_ts: r.commit_ts, rows: r.rows, generation: Some(r.generation), seeded_from }),
         }
     }
     out.sort_by_key(|s| s.lsn);
@@ -619,11 +647,12 @@ mod tests {
     }
 
     fn snap(n: u128, at: DateTime<Utc>) -> WholeSnapshot {
-        WholeSnapshot { lsn: l(n), commit_ts: Some(at), rows: Some(10), generation: Some(0) }
+        WholeSnapshot { lsn: l(n), commit_ts: Some(at), rows: Some(10), generation: Some(0), seeded_from: None }
     }
 
     fn input(as_of: AsOf, lsn: Option<Lsn>) -> SeedInput {
         SeedInput {
+            copy: "copy.parquet".into(),
             as_of,
             lsn,
             snapshots: vec![],
@@ -635,6 +664,25 @@ mod tests {
             max_lsn: Some(l(100)),
             reseed: false,
         }
+    }
+
+    #[test]
+    fn the_same_copy_and_time_is_a_rerun_whatever_the_time_maps_to_now() {
+        // The first call mapped 05:00 to L 40; a commit before 05:00 captured
+        // since makes it map to 45 now (or cleanup removed its mapping).
+        let mut first = snap(40, t(4, 59));
+        first.seeded_from = Some(("copy.parquet".into(), t(5, 0).to_rfc3339()));
+        for (lsn, reseed) in [(Some(l(45)), false), (None, false), (Some(l(45)), true)] {
+            let mut i = input(AsOf::Time(t(5, 0)), lsn);
+            i.reseed = reseed;
+            i.snapshots = vec![first.clone()];
+            assert_eq!(decide(&i), SeedDecision::AlreadySeeded(first.clone()), "{lsn:?} reseed={reseed}");
+        }
+        // Another copy at the same time is not that seed.
+        let mut i = input(AsOf::Time(t(5, 0)), Some(l(45)));
+        i.copy = "other.parquet".into();
+        i.snapshots = vec![first.clone()];
+        assert!(matches!(decide(&i), SeedDecision::SnapshotPresent(_)), "{:?}", decide(&i));
     }
 
     #[test]

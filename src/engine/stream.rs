@@ -509,8 +509,9 @@ pub async fn append_facts_untracked(ctx: &mut Context, rows: Vec<FactRow>) -> St
     delta::append_untracked(&mut ctx.facts, vec![facts::to_batch(&rows)], meta).await
 }
 
-/// Writes the facts rows of batches bronze holds without them.
-async fn repair(ctx: &mut Context, st: &StreamState) -> StepResult<Vec<i64>> {
+/// Writes the facts rows of batches bronze holds without them (the
+/// stream's first act, and the seed's before it may start a generation).
+pub(crate) async fn repair(ctx: &mut Context, st: &StreamState) -> StepResult<Vec<i64>> {
     check_newest_batch(ctx, st).await?;
     let Some(upto) = st.batch_to_repair() else { return Ok(vec![]) };
     let first = st.last_batch.as_ref().and_then(|b| b.batch_id).map(|b| b + 1).unwrap_or(0);
