@@ -629,6 +629,9 @@ impl<H: Hooks + 'static> CdcSource for Wrapped<H> {
     async fn server_local_times(&self, instants: &[DateTime<Utc>]) -> Result<Vec<NaiveDateTime>, SourceError> {
         self.inner.server_local_times(instants).await
     }
+    async fn server_clock(&self) -> Result<NaiveDateTime, SourceError> {
+        self.inner.server_clock().await
+    }
     async fn row_count(&self, t: &TableName, iso: Isolation) -> Result<u64, SourceError> {
         self.inner.row_count(t, iso).await
     }
