@@ -1328,7 +1328,7 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
         format!(
             "app_id = \"t\"\n[source]\nurl = \"sim://source.sqlite\"\n[table]\nname = \"t\"\n\
              [target]\nbronze = \"bronze\"\nfacts = \"facts\"\nsilver = \"silver\"\n\
-             [snapshot]\nbootstrap = true\n{keys_toml}{mode}[stream]\nmax_batch_rows = {}\n{}[reconcile]\nsample_fraction = 1.0\n",
+             [snapshot]\nbootstrap = true\n{keys_toml}{mode}[stream]\nmax_batch_rows = {}\n{}[reconcile]\nsample_fraction = 1.0\ncapture_wait_seconds = 0\n",
             rng.random_range(2..30),
             draws.loss.workflow_toml()
         ),

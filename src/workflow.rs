@@ -217,11 +217,15 @@ pub struct ReconcileOptions {
     pub sample_fraction: f64,
     /// The most difference rows one run writes to the report (the summary counts them all).
     pub max_report_rows: usize,
+    /// When keys differ, how long to wait for the capture job to pass the
+    /// end of the source reads (a change it has not captured yet is not a
+    /// difference); past it the call exits 75 having written nothing.
+    pub capture_wait_seconds: u64,
 }
 
 impl Default for ReconcileOptions {
     fn default() -> Self {
-        ReconcileOptions { buckets: 64, sample_fraction: 0.1, max_report_rows: 10_000 }
+        ReconcileOptions { buckets: 64, sample_fraction: 0.1, max_report_rows: 10_000, capture_wait_seconds: 30 }
     }
 }
 
@@ -311,6 +315,9 @@ impl Workflow {
         }
         if self.reconcile.buckets == 0 || self.reconcile.buckets > 1_000_000 {
             return bad(format!("reconcile.buckets is {}: use 1 to 1000000", self.reconcile.buckets));
+        }
+        if self.reconcile.capture_wait_seconds > 3600 {
+            return bad(format!("reconcile.capture_wait_seconds is {}: use 0 to 3600", self.reconcile.capture_wait_seconds));
         }
         if !(0.0..=1.0).contains(&self.reconcile.sample_fraction) {
             return bad(format!("reconcile.sample_fraction is {}: use a number from 0 to 1", self.reconcile.sample_fraction));

@@ -294,12 +294,19 @@ async fn lag_across_a_capture_instance_switch_is_read_per_instance_keys_only() {
     assert!(reads.iter().all(|(ci, _, _, _)| ci == "dbo_items_v2"), "{reads:?}");
 }
 
-/// A commit the capture job has not harvested is in no change table: its
-/// difference is a real one on that run (adr-0028 Amendment 2 says so), and
-/// the next run, after the capture scan, takes it as IN_FLIGHT.
+/// A commit the capture job has not harvested is in no change table, so
+/// the keys it changed differ without being IN_FLIGHT. adr-0028 Amendment 2
+/// left that as a false difference that clears on the next run; reconcile
+/// now waits for the capture job to pass the end of its reads, and when it
+/// has not (here an hour's lag and no wait) the call is a call-again that
+/// writes nothing. The next run, after the capture scan, takes the key as
+/// IN_FLIGHT.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_commit_not_yet_harvested_is_not_seen_and_the_next_run_clears_it() {
-    let s = Scenario::new(20, "silver = \"silver\"\n[snapshot]\nbootstrap = true\nmode = \"full\"\n[reconcile]\nbuckets = 4\nsample_fraction = 0.0\n");
+async fn a_commit_not_yet_harvested_is_a_call_again_and_the_next_run_clears_it() {
+    let s = Scenario::new(
+        20,
+        "silver = \"silver\"\n[snapshot]\nbootstrap = true\nmode = \"full\"\n[reconcile]\nbuckets = 4\nsample_fraction = 0.0\ncapture_wait_seconds = 0\n",
+    );
     let columns = common::items_spec(&s.table).columns;
     s.stream_until_caught_up().await;
     apply(&s).await;
@@ -308,14 +315,12 @@ async fn a_commit_not_yet_harvested_is_not_seen_and_the_next_run_clears_it() {
     let table = s.table.clone();
     let before = s.db.max_lsn().unwrap();
     s.db.transaction(|tx| tx.insert(&table, common::item_row(500, 0))).unwrap();
-    common::settle(&s.db);
+    s.db.capture().unwrap(); // a scan that leaves the commit inside the lag
     assert_eq!(s.db.max_lsn().unwrap(), before, "the commit is still inside the capture lag");
-    let r = reconcile(&s).await;
-    let j = json(&r);
-    assert!(!r.clean, "{j:#}");
-    assert_eq!((r.differences, r.counts["MISSING_TARGET"], r.counts["IN_FLIGHT"]), (1, 1, 0), "{j:#}");
-    assert_eq!(r.samples[0]["key"]["id"], 500, "{j:#}");
-    assert_eq!(r.source_max_lsn, before, "{j:#}");
+    let mut ctx = s.context().await.unwrap();
+    let e = reconcile::run(&mut ctx).await.unwrap_err();
+    assert!(matches!(e, mssql_cdc::error::StepError::Temporary(_)), "{e}");
+    assert!(e.to_string().contains("1 key(s) differ") && e.to_string().contains("capture job"), "{e}");
     // The capture job harvests it: the next run sees it in the change table.
     s.db.advance_clock(std::time::Duration::from_secs(7200)).unwrap();
     common::settle(&s.db);
@@ -323,11 +328,75 @@ async fn a_commit_not_yet_harvested_is_not_seen_and_the_next_run_clears_it() {
     let j = json(&r);
     assert!(r.clean, "{j:#}");
     assert_eq!((r.differences, r.counts["IN_FLIGHT"]), (0, 1), "{j:#}");
+    assert_eq!(r.run, 1, "the call-again wrote no report, so this is the second run: {j:#}");
     s.stream_until_caught_up().await;
     apply(&s).await;
     assert_silver_is_the_table(&s, &columns, "after the harvest").await;
     let r = reconcile(&s).await;
     assert!(r.clean && r.counts["IN_FLIGHT"] == 0, "{:#}", json(&r));
+}
+
+/// Hooks that, once reconcile has read the server's clock after its source
+/// reads, let the capture job catch up a moment later, while the call waits.
+struct CaptureWhileWaiting(std::path::PathBuf);
+
+#[async_trait]
+impl common::Hooks for CaptureWhileWaiting {
+    async fn server_clock(&self, inner: &SharedSource) -> Result<chrono::NaiveDateTime, SourceError> {
+        let t = inner.server_clock().await;
+        let path = self.0.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(400));
+            common::settle(&mssql_cdc::sim::SimDb::open(&path).unwrap());
+        });
+        t
+    }
+}
+
+/// Under the shared configuration's capture lag, a commit just before
+/// reconcile's reads is in the table but not yet in the change table. The
+/// call waits for the capture job to pass the end of its reads, finds the
+/// key's change there, and takes it as IN_FLIGHT; a real difference next to
+/// it (a row removed from silver) still counts, and once the capture job has
+/// caught up no wait is needed for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_inside_the_capture_lag_is_in_flight_once_the_capture_job_passes_the_reads() {
+    let s = Scenario::new(
+        20,
+        "silver = \"silver\"\n[snapshot]\nbootstrap = true\nmode = \"full\"\n[reconcile]\nbuckets = 4\nsample_fraction = 1.0\ncapture_wait_seconds = 20\n",
+    );
+    s.stream_until_caught_up().await;
+    apply(&s).await;
+    assert!(reconcile(&s).await.clean);
+    let table = s.table.clone();
+    let before = s.db.max_lsn().unwrap();
+    s.db.transaction(|tx| tx.update(&table, &vec![SqlValue::Int(5)], common::item_row(5, 42))).unwrap();
+    assert_eq!(s.db.max_lsn().unwrap(), before, "the update is inside the capture lag");
+    let run = |s: &Scenario| {
+        let path = s.path().join("source.sqlite");
+        async move {
+            let mut ctx: Context = s.context().await.unwrap();
+            ctx.source = Arc::new(common::Wrapped::new(ctx.source.clone(), CaptureWhileWaiting(path)));
+            let started = std::time::Instant::now();
+            let r = reconcile::run(&mut ctx).await.unwrap();
+            (r, started.elapsed())
+        }
+    };
+    let (r, took) = run(&s).await;
+    let j = json(&r);
+    assert!(r.clean, "{j:#}");
+    assert_eq!((r.differences, r.counts["IN_FLIGHT"], r.counts["RECORD_DIFF"]), (0, 1, 0), "{j:#}");
+    assert!(r.source_max_lsn > before, "the max LSN the capture job reached while the call waited: {j:#}");
+    assert!(took >= std::time::Duration::from_millis(400), "the call waited for the capture job: {took:?}");
+
+    // A real difference beside it: key 7 removed from silver.
+    delete_from_silver(&s, "id = 7").await;
+    s.db.transaction(|tx| tx.update(&table, &vec![SqlValue::Int(9)], common::item_row(9, 42))).unwrap();
+    let (r, _) = run(&s).await;
+    let j = json(&r);
+    assert!(!r.clean, "{j:#}");
+    assert_eq!((r.differences, r.counts["MISSING_TARGET"], r.counts["IN_FLIGHT"]), (1, 1, 2), "{j:#}");
+    assert_eq!(r.samples.iter().find(|d| d["class"] == "MISSING_TARGET").unwrap()["key"]["id"], 7, "{j:#}");
 }
 
 /// adr-0025: reconcile checks a table seeded from a copy, and one a chunked

@@ -570,6 +570,46 @@ async fn change_table_keys(
     Ok(out)
 }
 
+/// Where the capture job stands against the end of reconcile's reads.
+enum CapturePassed {
+    /// The max LSN read after the reads already maps to a time at or after their end.
+    Already,
+    /// It does now: the newer max LSN.
+    Now(Lsn),
+    /// Not within the wait; the newest mapping time seen.
+    NotYet { newest: Option<chrono::NaiveDateTime> },
+}
+
+/// Waits, up to `wait`, for the capture job to record a mapping row at or
+/// after `reads_ended` (the server's clock read after the source reads).
+/// Commit LSNs follow commit order, and the capture job scans the log in
+/// that order and records idle rows in quiet periods, so such a row means
+/// every transaction the reads saw is in the change table (or touched no
+/// captured table). A row in the same `datetime` tick as the end may have
+/// been rounded below it: the wait then goes on to the next row, never the
+/// other way.
+async fn capture_passed(ctx: &Context, reads_ended: chrono::NaiveDateTime, read_max: Option<Lsn>, wait: std::time::Duration) -> StepResult<CapturePassed> {
+    let deadline = std::time::Instant::now() + wait;
+    let mut max = read_max;
+    loop {
+        let newest = match max {
+            Some(m) => ctx.source.lsn_to_time(m).await?,
+            None => None,
+        };
+        if let (Some(m), Some(t)) = (max, newest) {
+            if t >= reads_ended {
+                return Ok(if max == read_max { CapturePassed::Already } else { CapturePassed::Now(m) });
+            }
+        }
+        let now = std::time::Instant::now();
+        if now >= deadline {
+            return Ok(CapturePassed::NotYet { newest });
+        }
+        tokio::time::sleep((deadline - now).min(std::time::Duration::from_millis(250))).await;
+        max = ctx.source.max_lsn().await?;
+    }
+}
+
 /// One piece of [`change_table_keys`]: one instance, `[from, to]`.
 #[allow(clippy::too_many_arguments)]
 async fn read_change_keys(
@@ -883,8 +923,11 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         repeated.extend(repeated_keys(&source_repeated, &target_repeated, *bucket));
         compared.push((*bucket, source_side, target_side));
     }
-    // After the source reads: what the stream has not read yet, and what silver has not applied.
-    let source_max = ctx.source.max_lsn().await?;
+    // After the source reads: the server's clock (every transaction they
+    // saw ended at or before it), then what the stream has not read yet and
+    // what silver has not applied.
+    let reads_ended = ctx.source.server_clock().await?;
+    let mut source_max = ctx.source.max_lsn().await?;
     let st = state::load(ctx).await?;
     // A heap's rows are told apart by all their values: what is in flight is a row's hash.
     // Before-images are read for keyed tables too: a key respelled in place
@@ -894,12 +937,45 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         if is_heap { (&columns, row_hash, RowFilter::AllUpdateOld) } else { (&keys, key_text, RowFilter::AllUpdateOld) };
     let mut in_flight = bronze_changed_keys(&ctx.bronze, flight_cols, applied, id).await?;
     in_flight.extend(change_table_keys(ctx, &instances, flight_cols, st.position(), source_max, filter, id).await?);
-    let mut diffs: Vec<Difference> = Vec::new();
-    if let Some((source_counts, target_counts)) = &heap_counts {
-        diffs.extend(classify_heap(source_counts, target_counts, &in_flight));
-    }
-    for (bucket, s, t) in &compared {
-        diffs.extend(classify(s, t, &in_flight, *bucket));
+    let classify_all = |in_flight: &HashSet<String>| {
+        let mut diffs: Vec<Difference> = Vec::new();
+        if let Some((source_counts, target_counts)) = &heap_counts {
+            diffs.extend(classify_heap(source_counts, target_counts, in_flight));
+        }
+        for (bucket, s, t) in &compared {
+            diffs.extend(classify(s, t, in_flight, *bucket));
+        }
+        diffs
+    };
+    let mut diffs = classify_all(&in_flight);
+    let differing = diffs.iter().filter(|d| d.class != IN_FLIGHT).count();
+    if differing > 0 {
+        // The capture job runs seconds behind the writers: a transaction the
+        // source reads saw may not be in the change table yet, and its keys
+        // would differ without being IN_FLIGHT. They count only once the
+        // capture job has passed the end of the reads.
+        let wait = std::time::Duration::from_secs(opts.capture_wait_seconds);
+        match capture_passed(ctx, reads_ended, source_max, wait).await? {
+            CapturePassed::Already => {}
+            CapturePassed::Now(max) => {
+                let from = source_max.or(st.position());
+                in_flight.extend(change_table_keys(ctx, &instances, flight_cols, from, Some(max), filter, id).await?);
+                source_max = Some(max);
+                diffs = classify_all(&in_flight);
+                tracing::info!(%max, differing_before = differing, differing = diffs.iter().filter(|d| d.class != IN_FLIGHT).count(),
+                               "the capture job has passed the end of the source reads: their keys were checked against its changes");
+            }
+            CapturePassed::NotYet { newest } => {
+                return Err(StepError::Temporary(format!(
+                    "{differing} key(s) differ between the source and silver, and after {} s the capture job has not yet recorded the \
+                     end of reconcile's source reads (server time {reads_ended}; its newest mapping row is from {}): changes it has \
+                     yet to capture may explain them. Nothing was written: call reconcile again. If this goes on, the capture job is \
+                     stopped or far behind (see `status` and sys.dm_cdc_errors), or raise reconcile.capture_wait_seconds",
+                    opts.capture_wait_seconds,
+                    newest.map_or("no time".to_string(), |t| t.to_string()),
+                )));
+            }
+        }
     }
     diffs.extend(repeated);
     let facts = state::facts_rows(&ctx.facts, &app).await?;

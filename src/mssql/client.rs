@@ -1265,6 +1265,16 @@ impl CdcSource for MssqlSource {
         }
     }
 
+    async fn server_clock(&self) -> Result<NaiveDateTime, SourceError> {
+        let rows = self.rows(&sql::server_clock(), Isolation::ReadCommitted).await?;
+        let r = rows.first().ok_or_else(|| SourceError::Other("SELECT SYSDATETIME() returned no row".into()))?;
+        let d = r.get_column_data(0).map_err(|e| SourceError::Other(e.to_string()))?;
+        match convert::column_value(d, &SqlType::DateTime2 { scale: 7 }).map_err(SourceError::Other)? {
+            SqlValue::DateTime(t) => Ok(t),
+            other => Err(SourceError::Other(format!("SYSDATETIME() returned {other}"))),
+        }
+    }
+
     async fn server_local_times(&self, instants: &[DateTime<Utc>]) -> Result<Vec<NaiveDateTime>, SourceError> {
         if instants.is_empty() {
             return Ok(vec![]);

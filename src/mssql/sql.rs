@@ -1004,6 +1004,11 @@ pub fn lsn_to_time(lsn: Lsn) -> Statement {
     Statement::new("SELECT sys.fn_cdc_map_lsn_to_time(@P1) AS tran_end_time".into(), vec![SqlValue::Bytes(lsn.0.to_vec())])
 }
 
+/// The server's wall clock, at `datetime2(7)` precision.
+pub fn server_clock() -> Statement {
+    Statement::new("SELECT SYSDATETIME() AS server_clock".into(), vec![])
+}
+
 /// The server's zone name (SQL Server 2022 and Azure SQL; older servers answer
 /// with error 195 and the configured zone is used instead).
 pub fn server_time_zone() -> Statement {
@@ -1184,6 +1189,7 @@ mod tests {
         golden("increment_lsn", &increment_lsn(l));
         golden("decrement_lsn", &decrement_lsn(l));
         golden("lsn_to_time", &lsn_to_time(l));
+        golden("server_clock", &server_clock());
         let t = NaiveDate::from_ymd_opt(2026, 3, 8).unwrap().and_hms_milli_opt(1, 2, 3, 456).unwrap();
         for (name, op) in [
             ("time_to_lsn_lt", TimeOp::LargestLessThan),

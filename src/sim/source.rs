@@ -1261,6 +1261,18 @@ impl CdcSource for SimSource {
         self.call(|_, p, cfg| cfg.zone().map_err(|e| map_err(p, e))).await
     }
 
+    /// The simulated server's clock (manual or wall) under its own rules,
+    /// the clock its mapping rows are written in.
+    async fn server_clock(&self) -> Result<NaiveDateTime, SourceError> {
+        self.call(|c, p, cfg| {
+            let now = db::now_us(c, p, cfg).map_err(|e| map_err(p, e))?;
+            let zone = cfg.clock_zone().map_err(|e| map_err(p, e))?;
+            let at = DateTime::<Utc>::from_timestamp_micros(now).ok_or_else(|| SourceError::Other("the simulator's clock is out of range".into()))?;
+            Ok(db::wall_clock(&zone, at))
+        })
+        .await
+    }
+
     /// The simulated server converts with its own clock's rules (`zone_rules`,
     /// else its zone), as SQL Server's `AT TIME ZONE` applies its Windows
     /// rules: which may not be what the zone it reports means elsewhere.

@@ -504,6 +504,19 @@ pub trait CdcSource: Send + Sync {
     /// for it (never captured, or removed by cleanup).
     async fn lsn_to_time(&self, lsn: Lsn) -> Result<Option<NaiveDateTime>, SourceError>;
 
+    /// The server's wall clock now (`SYSDATETIME()`): the clock
+    /// `cdc.lsn_time_mapping` is written in. A transaction a read saw ended
+    /// at or before this reading taken after the read, so once the mapping
+    /// holds a row at or after it, the capture job has scanned past that
+    /// transaction (reconcile's test that a difference is not a change the
+    /// capture job has yet to capture).
+    ///
+    /// The default answers that the source cannot: a wrapper that forwards
+    /// every read must forward this one too.
+    async fn server_clock(&self) -> Result<NaiveDateTime, SourceError> {
+        Err(SourceError::Config(format!("{} does not read the server's clock", self.describe())))
+    }
+
     /// The zone of the server's clock. A source that is told the zone (SQL
     /// Server before 2022) checks it against the offset the server's clock
     /// runs at now and refuses one that disagrees (a configuration error).
