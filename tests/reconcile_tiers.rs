@@ -342,8 +342,8 @@ struct CaptureWhileWaiting(std::path::PathBuf);
 
 #[async_trait]
 impl common::Hooks for CaptureWhileWaiting {
-    async fn server_clock(&self, inner: &SharedSource) -> Result<chrono::NaiveDateTime, SourceError> {
-        let t = inner.server_clock().await;
+    async fn server_now(&self, inner: &SharedSource) -> Result<chrono::NaiveDateTime, SourceError> {
+        let t = inner.server_now().await;
         let path = self.0.clone();
         std::thread::spawn(move || {
             std::thread::sleep(std::time::Duration::from_millis(400));

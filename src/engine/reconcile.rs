@@ -926,7 +926,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     // After the source reads: the server's clock (every transaction they
     // saw ended at or before it), then what the stream has not read yet and
     // what silver has not applied.
-    let reads_ended = ctx.source.server_clock().await?;
+    let reads_ended = ctx.source.server_now().await?;
     let mut source_max = ctx.source.max_lsn().await?;
     let st = state::load(ctx).await?;
     // A heap's rows are told apart by all their values: what is in flight is a row's hash.

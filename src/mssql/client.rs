@@ -1265,8 +1265,8 @@ impl CdcSource for MssqlSource {
         }
     }
 
-    async fn server_clock(&self) -> Result<NaiveDateTime, SourceError> {
-        let rows = self.rows(&sql::server_clock(), Isolation::ReadCommitted).await?;
+    async fn server_now(&self) -> Result<NaiveDateTime, SourceError> {
+        let rows = self.rows(&sql::server_now(), Isolation::ReadCommitted).await?;
         let r = rows.first().ok_or_else(|| SourceError::Other("SELECT SYSDATETIME() returned no row".into()))?;
         let d = r.get_column_data(0).map_err(|e| SourceError::Other(e.to_string()))?;
         match convert::column_value(d, &SqlType::DateTime2 { scale: 7 }).map_err(SourceError::Other)? {

@@ -1005,8 +1005,8 @@ pub fn lsn_to_time(lsn: Lsn) -> Statement {
 }
 
 /// The server's wall clock, at `datetime2(7)` precision.
-pub fn server_clock() -> Statement {
-    Statement::new("SELECT SYSDATETIME() AS server_clock".into(), vec![])
+pub fn server_now() -> Statement {
+    Statement::new("SELECT SYSDATETIME() AS server_now".into(), vec![])
 }
 
 /// The server's zone name (SQL Server 2022 and Azure SQL; older servers answer
@@ -1189,7 +1189,7 @@ mod tests {
         golden("increment_lsn", &increment_lsn(l));
         golden("decrement_lsn", &decrement_lsn(l));
         golden("lsn_to_time", &lsn_to_time(l));
-        golden("server_clock", &server_clock());
+        golden("server_now", &server_now());
         let t = NaiveDate::from_ymd_opt(2026, 3, 8).unwrap().and_hms_milli_opt(1, 2, 3, 456).unwrap();
         for (name, op) in [
             ("time_to_lsn_lt", TimeOp::LargestLessThan),

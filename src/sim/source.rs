@@ -1263,7 +1263,7 @@ impl CdcSource for SimSource {
 
     /// The simulated server's clock (manual or wall) under its own rules,
     /// the clock its mapping rows are written in.
-    async fn server_clock(&self) -> Result<NaiveDateTime, SourceError> {
+    async fn server_now(&self) -> Result<NaiveDateTime, SourceError> {
         self.call(|c, p, cfg| {
             let now = db::now_us(c, p, cfg).map_err(|e| map_err(p, e))?;
             let zone = cfg.clock_zone().map_err(|e| map_err(p, e))?;

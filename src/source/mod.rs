@@ -513,7 +513,7 @@ pub trait CdcSource: Send + Sync {
     ///
     /// The default answers that the source cannot: a wrapper that forwards
     /// every read must forward this one too.
-    async fn server_clock(&self) -> Result<NaiveDateTime, SourceError> {
+    async fn server_now(&self) -> Result<NaiveDateTime, SourceError> {
         Err(SourceError::Config(format!("{} does not read the server's clock", self.describe())))
     }
 

@@ -556,8 +556,8 @@ pub trait Hooks: Send + Sync {
     async fn snapshot_read_fenced(&self, inner: &SharedSource, read: &SnapshotRead) -> Result<FencedRead, SourceError> {
         inner.snapshot_read_fenced(read).await
     }
-    async fn server_clock(&self, inner: &SharedSource) -> Result<NaiveDateTime, SourceError> {
-        inner.server_clock().await
+    async fn server_now(&self, inner: &SharedSource) -> Result<NaiveDateTime, SourceError> {
+        inner.server_now().await
     }
 }
 
@@ -642,8 +642,8 @@ impl<H: Hooks + 'static> CdcSource for Wrapped<H> {
     async fn server_local_times(&self, instants: &[DateTime<Utc>]) -> Result<Vec<NaiveDateTime>, SourceError> {
         self.inner.server_local_times(instants).await
     }
-    async fn server_clock(&self) -> Result<NaiveDateTime, SourceError> {
-        self.hooks.server_clock(&self.inner).await
+    async fn server_now(&self) -> Result<NaiveDateTime, SourceError> {
+        self.hooks.server_now(&self.inner).await
     }
     async fn row_count(&self, t: &TableName, iso: Isolation) -> Result<u64, SourceError> {
         self.inner.row_count(t, iso).await
