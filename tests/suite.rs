@@ -52,6 +52,8 @@ mod silver_keys;
 mod source_bounds;
 #[path = "switch_before_start.rs"]
 mod switch_before_start;
+#[path = "switch_after_cleanup.rs"]
+mod switch_after_cleanup;
 #[path = "switch_chunked.rs"]
 mod switch_chunked;
 #[path = "torture.rs"]

@@ -129,13 +129,24 @@ pub enum InstancePlan {
 }
 
 /// The switch rule, as a pure function.
+///
+/// `instances` are in creation order (`cdc.change_tables.create_date`, as
+/// the source lists them). A newer instance is one that starts later or,
+/// at the same start, was created later: cleanup raises every instance's
+/// start LSN to its low watermark, so once it passes the newer one's start
+/// both start at the watermark and both hold every change from there. The
+/// stream must then move to the later-created one (the newer columns), not
+/// stay on the older one for good with the added columns NULL.
 pub fn plan(position: Lsn, current: &CaptureInstance, instances: &[CaptureInstance]) -> InstancePlan {
     let Some(cur_start) = current.start_lsn else { return InstancePlan::Stay { upto: None } };
+    let cur_order = instances.iter().position(|i| i.name == current.name);
     let newer = instances
         .iter()
-        .filter(|i| i.name != current.name)
-        .filter(|i| i.start_lsn.is_some_and(|s| s > cur_start))
-        .min_by_key(|i| i.start_lsn);
+        .enumerate()
+        .filter(|(_, i)| i.name != current.name)
+        .filter(|(order, i)| i.start_lsn.is_some_and(|s| s > cur_start || (s == cur_start && cur_order.is_some_and(|c| *order > c))))
+        .min_by_key(|(order, i)| (i.start_lsn, *order))
+        .map(|(_, i)| i);
     match newer {
         None => InstancePlan::Stay { upto: None },
         Some(n) => {
@@ -399,6 +410,13 @@ mod tests {
         assert_eq!(plan(Lsn::from_u128(70), &old, &all), InstancePlan::Switch { to: new.clone() });
         // On the newest instance there is nothing to switch to.
         assert_eq!(plan(Lsn::from_u128(70), &new, &all), InstancePlan::Stay { upto: None });
+        // Cleanup past the newer one's start raised both starts to its
+        // watermark: the later-created instance is still the newer one.
+        let (old_w, new_w) = (ci("v1", 80, &["id", "a"]), ci("v2", 80, &["id", "a", "b"]));
+        let cleaned = vec![old_w.clone(), new_w.clone()];
+        assert_eq!(plan(Lsn::from_u128(79), &old_w, &cleaned), InstancePlan::Switch { to: new_w.clone() });
+        assert_eq!(plan(Lsn::from_u128(95), &old_w, &cleaned), InstancePlan::Switch { to: new_w.clone() });
+        assert_eq!(plan(Lsn::from_u128(95), &new_w, &cleaned), InstancePlan::Stay { upto: None });
         assert_eq!(column_changes(&old, &new), (vec!["b".to_string()], vec![]));
         assert_eq!(column_changes(&new, &old), (vec![], vec!["b".to_string()]));
     }

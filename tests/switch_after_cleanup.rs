@@ -1,0 +1,75 @@
+//! Cleanup past a newer capture instance's start. SQL Server's cleanup
+//! raises every instance's start LSN to its low watermark, so once it passes
+//! the newer instance's start both instances start at the same LSN. The
+//! switch rule took "newer" as "starts later" only: after the re-snapshot
+//! that the purge causes, the stream stayed on the older instance for good,
+//! and every later change lost the added column (NULL in bronze and silver
+//! where the table holds a value). Found by the torture tester's schedules
+//! that clean up past a switch.
+
+use mssql_cdc::types::{ColumnDesc, SqlType, SqlValue};
+
+mod common;
+
+use common::{item_row, ok, Scenario};
+
+fn with_extra(id: i64, version: i64, extra: i64) -> Vec<SqlValue> {
+    let mut row = item_row(id, version);
+    row.push(SqlValue::Int(extra));
+    row
+}
+
+#[test]
+fn cleanup_past_the_newer_instances_start_still_moves_the_stream_to_it() {
+    let s = Scenario::new(
+        12,
+        "silver = \"silver\"\n[snapshot]\nbootstrap = true\nmode = \"full\"\n[stream]\nmax_batch_rows = 1000\non_data_loss = \"resnapshot\"\n",
+    );
+    common::cli_stream_until_caught_up(&s);
+    ok(&s, &["apply"]);
+
+    // A column is added and captured by a second instance; the writer sets it.
+    s.db.add_column(&s.table, ColumnDesc::new("extra", SqlType::Int, true)).unwrap();
+    s.db.enable_cdc(&s.table, Some("dbo_items_v2"), None).unwrap();
+    let table = s.table.clone();
+    s.db.transaction(|tx| {
+        for id in [2, 5, 9] {
+            tx.update(&table, &vec![SqlValue::Int(id)], with_extra(id, 3, id * 100))?;
+        }
+        tx.insert(&table, with_extra(13, 0, 1300))
+    })
+    .unwrap();
+    common::settle(&s.db);
+    let starts = |s: &Scenario| -> Vec<(String, Option<mssql_cdc::lsn::Lsn>)> {
+        s.db.capture_instances(&s.table).unwrap().into_iter().map(|i| (i.name, i.start_lsn)).collect()
+    };
+    let before = starts(&s);
+    assert!(before[1].1 > before[0].1, "the newer instance starts later: {before:?}");
+
+    // Before the stream reaches the newer start, cleanup passes it.
+    let watermark = s.db.max_lsn().unwrap().unwrap();
+    s.db.cleanup_to_lsn(watermark).unwrap();
+    let after = starts(&s);
+    assert_eq!(after[0].1, after[1].1, "cleanup raised both starts to its watermark: {after:?}");
+
+    // More changes to the added column after the cleanup.
+    s.db.transaction(|tx| {
+        tx.update(&table, &vec![SqlValue::Int(3)], with_extra(3, 4, 333))?;
+        tx.insert(&table, with_extra(14, 0, 1400))
+    })
+    .unwrap();
+    common::settle(&s.db);
+
+    // The purge is a data loss: the stream re-snapshots, and must read the
+    // newer instance from then on.
+    common::cli_stream_until_caught_up(&s);
+    s.db.transaction(|tx| tx.update(&table, &vec![SqlValue::Int(9)], with_extra(9, 5, 999))).unwrap();
+    common::cli_stream_until_caught_up(&s);
+    let status = ok(&s, &["status"]);
+    assert_eq!(status["capture_instance"], "dbo_items_v2", "the stream follows the newer instance: {status}");
+    ok(&s, &["apply"]);
+    ok(&s, &["reconcile"]);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    // Silver against the table, every column (`extra` too); bronze against the change log.
+    rt.block_on(s.assert_matches_source());
+}
