@@ -277,6 +277,21 @@ pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_d
         failpoint!("recover.after_recovery_row");
     }
     // 4 and 5. The snapshot, whose commit point makes the target generation live.
+    // It is taken at an S at or past the max LSN now, so the new generation
+    // reads from there the instance the switch rule leads to from the
+    // stream's: the snapshot is read with that one's columns. Read with the
+    // older instance's, a column added before the purge (whose newer
+    // instance cleanup may have left with the older one's start) would stay
+    // NULL for every key not changed since.
+    if ctx.workflow.table.capture_instance.is_none() {
+        let instances = ctx.source.capture_instances(&ctx.workflow.table_name()).await?;
+        if let Some(max) = ctx.source.max_lsn().await? {
+            while let super::switch::InstancePlan::Switch { to } = super::switch::plan(max, &ctx.instance, &instances) {
+                tracing::info!(from = %ctx.instance.name, to = %to.name, "the re-snapshot reads the instance the stream reads from its S on");
+                ctx.instance = to;
+            }
+        }
+    }
     match mode {
         SnapshotMode::Full => {
             let r = snapshot::take_full(ctx, target, EVENT_RESNAPSHOT, Some(gap)).await?;
