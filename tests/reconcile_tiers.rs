@@ -353,6 +353,15 @@ impl common::Hooks for CaptureWhileWaiting {
     }
 }
 
+/// reconcile with [`CaptureWhileWaiting`] on its source; the result and how long it took.
+async fn reconcile_while_the_capture_job_catches_up(s: &Scenario) -> (ReconcileResult, std::time::Duration) {
+    let mut ctx: Context = s.context().await.unwrap();
+    ctx.source = Arc::new(common::Wrapped::new(ctx.source.clone(), CaptureWhileWaiting(s.path().join("source.sqlite"))));
+    let started = std::time::Instant::now();
+    let r = reconcile::run(&mut ctx).await.unwrap();
+    (r, started.elapsed())
+}
+
 /// Under the shared configuration's capture lag, a commit just before
 /// reconcile's reads is in the table but not yet in the change table. The
 /// call waits for the capture job to pass the end of its reads, finds the
@@ -372,17 +381,7 @@ async fn a_commit_inside_the_capture_lag_is_in_flight_once_the_capture_job_passe
     let before = s.db.max_lsn().unwrap();
     s.db.transaction(|tx| tx.update(&table, &vec![SqlValue::Int(5)], common::item_row(5, 42))).unwrap();
     assert_eq!(s.db.max_lsn().unwrap(), before, "the update is inside the capture lag");
-    let run = |s: &Scenario| {
-        let path = s.path().join("source.sqlite");
-        async move {
-            let mut ctx: Context = s.context().await.unwrap();
-            ctx.source = Arc::new(common::Wrapped::new(ctx.source.clone(), CaptureWhileWaiting(path)));
-            let started = std::time::Instant::now();
-            let r = reconcile::run(&mut ctx).await.unwrap();
-            (r, started.elapsed())
-        }
-    };
-    let (r, took) = run(&s).await;
+    let (r, took) = reconcile_while_the_capture_job_catches_up(&s).await;
     let j = json(&r);
     assert!(r.clean, "{j:#}");
     assert_eq!((r.differences, r.counts["IN_FLIGHT"], r.counts["RECORD_DIFF"]), (0, 1, 0), "{j:#}");
@@ -392,7 +391,7 @@ async fn a_commit_inside_the_capture_lag_is_in_flight_once_the_capture_job_passe
     // A real difference beside it: key 7 removed from silver.
     delete_from_silver(&s, "id = 7").await;
     s.db.transaction(|tx| tx.update(&table, &vec![SqlValue::Int(9)], common::item_row(9, 42))).unwrap();
-    let (r, _) = run(&s).await;
+    let (r, _) = reconcile_while_the_capture_job_catches_up(&s).await;
     let j = json(&r);
     assert!(!r.clean, "{j:#}");
     assert_eq!((r.differences, r.counts["MISSING_TARGET"], r.counts["IN_FLIGHT"]), (1, 1, 2), "{j:#}");
