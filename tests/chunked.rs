@@ -267,6 +267,7 @@ async fn backfill_pauses_while_headroom_is_below_the_minimum() {
     assert!(b.paused && !b.done && b.waves == 0, "{b:?}");
     assert!(b.reason.as_deref().unwrap().contains("min_headroom_hours"), "{b:?}");
     s.changes(3);
+    common::settle(&s.db);
     s.stream().await.unwrap();
     // The stream's headroom is its distance to the cleanup watermark: seconds
     // on this fresh instance, so 1000 hours pauses and a few seconds do not.
@@ -352,6 +353,8 @@ async fn a_heap_chunked_on_a_repeated_case_mixed_column_reads_every_row_once() {
             break;
         }
     }
+    // The last inserts were inside the capture lag while the waves ran.
+    s.stream_until_caught_up().await;
     let ctx = s.context().await.unwrap();
     let b = delta::query(&ctx.bronze, "SELECT id, name, _chunk FROM t WHERE _operation = 0").await.unwrap();
     let mut seen: std::collections::HashMap<i64, usize> = Default::default();

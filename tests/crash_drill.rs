@@ -85,6 +85,7 @@ fn killed_process_reruns_to_the_same_result() {
     let out = run(None);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     s.changes(12);
+    common::settle(&s.db);
     let out = run(Some("stream.after_bronze"));
     assert!(!out.status.success());
     let out = run(None);

@@ -68,6 +68,7 @@ async fn a_stream_stopped_past_the_retention_recovers_with_a_full_resnapshot() {
     assert!(r.caught_up, "{r:?}");
     // The new generation streams on under its own app id.
     s.changes(6);
+    common::settle(&s.db);
     let r = s.stream().await.unwrap();
     assert_eq!((r.generation, r.batches), (1, 1), "{r:?}");
     let cmp = s.verify().await;
@@ -222,6 +223,7 @@ async fn a_crash_at_every_step_of_a_recovery_reruns_to_one_snapshot_and_one_even
         fail::remove(point);
         assert!(e.to_string().contains(point), "{point}: {e}");
         s.changes(3);
+        common::settle(&s.db);
         let r = s.stream().await.unwrap();
         assert_eq!(r.generation, 1, "{point}: {r:?}");
         let rows = facts(&s).await;
@@ -273,6 +275,8 @@ async fn golden_log_of_a_full_recovery() {
     assert!(s.stream().await.unwrap().recovery.is_some());
     s.changes(3);
     s.stream().await.unwrap();
+    // The last commits were inside the capture lag.
+    s.stream_until_caught_up().await;
     assert_eq!(s.verify().await.differences(), 0);
     let log = s.golden().await;
     common::golden_settings().bind(|| insta::assert_snapshot!("golden_recovery_full", log));
@@ -292,6 +296,8 @@ async fn golden_log_of_a_chunked_recovery() {
     s.stream().await.unwrap();
     backfill_until_done(&s).await;
     s.stream().await.unwrap();
+    // The last commits were inside the capture lag.
+    s.stream_until_caught_up().await;
     assert_eq!(s.verify().await.differences(), 0);
     let log = s.golden().await;
     common::golden_settings().bind(|| insta::assert_snapshot!("golden_recovery_chunked", log));

@@ -420,6 +420,7 @@ fn cli_apply_killed_between_its_commits_then_reconcile_exit_codes() {
     assert_eq!(code, Some(0), "{r}");
     assert_eq!(r["repaired"], true, "{r}");
     s.changes(8);
+    common::settle(&s.db);
     assert_eq!(run("stream", None).0, Some(0));
     let (code, r) = run("apply", None);
     assert_eq!((code, r["action"].as_str()), (Some(0), Some("changes")), "{r}");
