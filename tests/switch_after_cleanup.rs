@@ -1,4 +1,5 @@
-//! Cleanup past a newer capture instance's start. SQL Server's cleanup
+//! Capture-instance starts that the switch rule met wrongly. First, cleanup
+//! past a newer capture instance's start. SQL Server's cleanup
 //! raises every instance's start LSN to its low watermark, so once it passes
 //! the newer instance's start both instances start at the same LSN. The
 //! switch rule took "newer" as "starts later" only: after the re-snapshot
@@ -83,6 +84,51 @@ fn cleanup_past_the_newer_instances_start_still_moves_the_stream_to_it() {
     rt.block_on(async {
         let ctx = s.context().await.unwrap();
         assert_eq!(ctx.instance.name, "dbo_items_v2");
+        let silver = ctx.workflow.target.silver.clone().expect("the workflow has silver");
+        mssql_cdc::torture::silver_matches_table(&s.db, &s.table, &silver, &ctx.instance.columns)
+            .await
+            .unwrap_or_else(|e| panic!("silver against the table: {e}"));
+        let cmp = s.verify().await;
+        assert_eq!(cmp.differences(), 0, "{cmp:?}");
+    });
+}
+
+/// A new stream whose newest capture instance starts above the max LSN.
+/// SQL Server sets a new instance's start when the capture job first scans
+/// past its creation, and while the job lags (commits still to capture) that
+/// start is above `fn_cdc_get_max_lsn()`. A bootstrap taken then is at an S
+/// below the newest instance's start: started on the newest, the stream
+/// found its first changes missing and exited 3 as if cleanup had purged
+/// them (torture schedule 338). It must start on the older instance, which
+/// holds them, and switch at the newer one's start.
+#[test]
+fn a_new_stream_starts_on_the_instance_that_holds_its_first_changes() {
+    let s = Scenario::new(10, "silver = \"silver\"\n[snapshot]\nbootstrap = true\nmode = \"full\"\n[stream]\nmax_batch_rows = 1000\n");
+    let table = s.table.clone();
+    // Commits the capture job has not taken yet (inside the shared lag).
+    for id in [2, 4] {
+        s.db.transaction(|tx| tx.update(&table, &vec![SqlValue::Int(id)], item_row(id, 7))).unwrap();
+    }
+    s.db.add_column(&s.table, ColumnDesc::new("extra", SqlType::Int, true)).unwrap();
+    s.db.enable_cdc(&s.table, Some("dbo_items_v2"), None).unwrap();
+    s.db.transaction(|tx| tx.update(&table, &vec![SqlValue::Int(6)], with_extra(6, 8, 600))).unwrap();
+    let max = s.db.max_lsn().unwrap();
+    let v2_start = s.db.capture_instances(&s.table).unwrap()[1].start_lsn;
+    assert!(v2_start > max, "the newer instance starts above the max LSN: {v2_start:?} > {max:?}");
+
+    // The first call bootstraps now, below the newer instance's start.
+    let first = ok(&s, &["stream"]);
+    assert!(first["bootstrap"].is_object(), "the first call bootstrapped: {first}");
+    common::cli_stream_until_caught_up(&s);
+    s.db.transaction(|tx| tx.update(&table, &vec![SqlValue::Int(8)], with_extra(8, 9, 800))).unwrap();
+    common::cli_stream_until_caught_up(&s);
+    let status = ok(&s, &["status"]);
+    assert_eq!(status["capture_instance"], "dbo_items_v2", "the stream switched at the newer start: {status}");
+    ok(&s, &["apply"]);
+    ok(&s, &["reconcile"]);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let ctx = s.context().await.unwrap();
         let silver = ctx.workflow.target.silver.clone().expect("the workflow has silver");
         mssql_cdc::torture::silver_matches_table(&s.db, &s.table, &silver, &ctx.instance.columns)
             .await

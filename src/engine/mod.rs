@@ -159,7 +159,7 @@ impl Context {
                     workflow.path.display()
                 ))
             })?,
-            None => instances.last().cloned().expect("non-empty"),
+            None => first_instance(source.as_ref(), &instances).await?,
         };
         let zone = source.server_time_zone().await?;
         // Look at both targets before creating either, so a bad one writes nothing.
@@ -364,4 +364,26 @@ fn read_secrets(wf: &Workflow) -> StepResult<SourceSecrets> {
 /// Loads a workflow file and opens its context.
 pub async fn open_workflow(path: &Path) -> StepResult<Context> {
     Context::open(Workflow::load(path)?).await
+}
+
+/// The instance a step starts on before the facts name one (a new stream's
+/// bootstrap, chunked open, seed or start): the one the switch rule reaches
+/// at the max LSN from the oldest instance whose start is established.
+///
+/// Not simply the newest: SQL Server sets a new instance's start LSN only
+/// when the capture job first scans past its creation, and that start can
+/// be above `fn_cdc_get_max_lsn()` for a while (the capture job's lag). A
+/// stream started at a snapshot S below it on that instance would find its
+/// first changes missing and call it a purge (and with `on_data_loss =
+/// "skip"` go on past changes the older instance holds). From the oldest,
+/// the stream switches when its position reaches the newer one's start.
+async fn first_instance(source: &dyn crate::source::CdcSource, instances: &[CaptureInstance]) -> StepResult<CaptureInstance> {
+    let newest = instances.last().cloned().expect("non-empty");
+    let Some(oldest) = instances.iter().find(|i| i.start_lsn.is_some()) else { return Ok(newest) };
+    let Some(max) = source.max_lsn().await? else { return Ok(newest) };
+    let mut on = oldest.clone();
+    while let switch::InstancePlan::Switch { to } = switch::plan(max, &on, instances) {
+        on = to;
+    }
+    Ok(on)
 }
