@@ -20,7 +20,9 @@
 //!
 //! # Every step follows the stream's instance
 //!
-//! `Context::open` picks the newest instance, but only the stream moves from
+//! `Context::open` picks the instance a new stream starts on (the one
+//! [`plan`] reaches at the max LSN from the oldest established one, which is
+//! the newest unless that one starts above the max LSN), but only the stream moves from
 //! one instance to the next, in LSN order, and bronze gains columns at that
 //! move. Every other step ([`follow_stream`]: `backfill`, `apply`,
 //! `reconcile`, `status`, `seed`) reads the instance the stream is on from
