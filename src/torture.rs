@@ -140,10 +140,15 @@
 //! Parquet files (`seed_copy::export_parquet`). An empty table is written to
 //! first: `seed` refuses an empty copy. Until a call of
 //! `seed --copy DIR --as-of X` succeeds, `seed` and `status` are the only
-//! steps (an orchestrator seeds before it schedules the rest: a stream or a
-//! backfill would take a snapshot, and seed would then refuse); after it the
-//! steps are the usual ones, and `seed` again now and then (a rerun returns
-//! the seed and writes nothing, after cleanups too).
+//! steps called alone (an orchestrator seeds before it schedules the rest),
+//! but half of the pairs of calls at once are the seed and a `stream` or a
+//! `backfill` (`seed_races`: a schedule that started too early), whose
+//! snapshot takes generation 0 another way. Exactly one of the two wins: the
+//! seed, or the other step, and then the seed is refused (exit 2,
+//! `seeds_refused`), none of its rows may be left in bronze, and the
+//! schedule goes on as one that never seeded. After the seed the steps are
+//! the usual ones, and `seed` again now and then (a rerun returns the seed
+//! and writes nothing, after cleanups too).
 //!
 //! Where a reseed is legal (no data loss and no switch: nothing else takes
 //! a snapshot, so none is open, and the copy is fitted to one capture
@@ -205,7 +210,7 @@
 //!   silver then rightly lacks the lost changes, and no model of silver
 //!   without them is kept.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -225,6 +230,7 @@ use serde_json::{json, Value};
 
 use crate::delta;
 use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_DATA_SKIPPED, EVENT_RESNAPSHOT, EVENT_SNAPSHOT_OPEN};
+use crate::engine::state::EVENT_STREAM_START;
 use crate::error::{StepError, EXIT_OK, EXIT_TEMPORARY};
 use crate::lsn::Lsn;
 use crate::sim::{Clock, FaultOn, FaultSpec, SimConfig, SimDb, TableSpec};
@@ -279,6 +285,12 @@ pub struct Overrides {
     /// unless told otherwise), and makes the first reseed's copy be taken at
     /// the first call event after the seed is done (or after the events).
     pub reseed: Option<bool>,
+    /// `snapshot.snapshot_on_switch` on or off; on needs a switch and the
+    /// chunked mode (set them too).
+    pub snapshot_on_switch: Option<bool>,
+    /// On: the first call event of a schedule that seeds is the bootstrap's
+    /// seed and a stream or a backfill at once (turns `seed` on when None).
+    pub seed_race: Option<bool>,
 }
 
 /// The mix one run injected, and its failures.
@@ -318,6 +330,12 @@ pub struct TortureReport {
     pub seeded: u32,
     /// Newer copies taken for `seed --reseed` (each called until it succeeds).
     pub reseeds: u32,
+    /// Schedules whose workflow sets `snapshot.snapshot_on_switch` (a switch in the chunked mode).
+    pub snapshots_on_switch: u32,
+    /// Pairs of the bootstrap's seed and a stream or backfill at once.
+    pub seed_races: u32,
+    /// Bootstrap seeds refused because the step beside them started generation 0 first.
+    pub seeds_refused: u32,
     pub seconds: f64,
     /// The failing schedules: seed, what broke, the command that replays it.
     pub failed: Vec<Value>,
@@ -793,6 +811,11 @@ struct SeedCopy {
     rows: Vec<String>,
     /// A seed call with this copy succeeded.
     done: bool,
+    /// A bootstrap's copy whose seed was refused because a step paired with
+    /// it started generation 0 first (a stream's snapshot): the schedule
+    /// goes on as one that never seeded, and no row of the copy may be left.
+    #[serde(default)]
+    refused: bool,
 }
 
 /// The step names of seed calls: the bootstrap's copy (and its reruns), and the pending reseed's.
@@ -803,6 +826,10 @@ const RESEED: &str = "seed --reseed";
 /// docs): a schedule that does not seed draws exactly what it drew before
 /// seeds were added to the tester.
 const SEED_DRAWS: u64 = 0x5eed_c0b1_0025_0025;
+
+/// Mixed into a schedule's seed for the generator of its
+/// `snapshot_on_switch` draw, for the same reason as [`SEED_DRAWS`].
+const ON_SWITCH_DRAWS: u64 = 0x0a5e_0028_0005_5e1f;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct CleanupDone {
@@ -863,10 +890,51 @@ fn mark_seeded(model: &mut Model, step: &str, dir: &Path) -> Result<(), String> 
     save_model(dir, model)
 }
 
+/// A bootstrap seed's exit 2 is its refusal, and expected, when the facts
+/// show generation 0 started by another step (a stream's snapshot open or
+/// completion, or a stream start): the copy is then marked refused and the
+/// call judged as a "call again" (returned as exit 75). Any other end is
+/// returned as it was, for [`judge`].
+fn seed_refusal(
+    step: &str,
+    ended: Ended,
+    facts: &str,
+    trt: &tokio::runtime::Runtime,
+    model: &mut Model,
+    dir: &Path,
+    report: &mut TortureReport,
+) -> Result<Ended, String> {
+    let exit2 = match &ended {
+        Ended::Done(_, 2) => true,
+        Ended::Failed(e) => e.exit_code() == 2,
+        _ => false,
+    };
+    if step != SEED || !exit2 || model.seeds.first().is_none_or(|c| c.done) {
+        return Ok(ended);
+    }
+    let rows = trt.block_on(fact_rows(facts, "t"))?.unwrap_or_default();
+    let started_otherwise = rows.iter().any(|r| {
+        r.generation == 0
+            && (matches!(r.event.as_deref(), Some(EVENT_STREAM_START) | Some(EVENT_SNAPSHOT_OPEN))
+                || (matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP)) && !is_seed_completion(r)))
+    });
+    if !started_otherwise {
+        return Ok(ended);
+    }
+    if let Some(c) = model.seeds.first_mut() {
+        if !c.refused {
+            c.refused = true;
+            report.seeds_refused += 1;
+            save_model(dir, model)?;
+        }
+    }
+    Ok(Ended::Done(Value::Null, EXIT_TEMPORARY))
+}
+
 /// Calls `seed` with every copy not done yet until it succeeds (the drain's first part).
 fn finish_seeds(wf: &Path, dir: &Path, model: &mut Model) -> Result<(), String> {
     for i in 0..model.seeds.len() {
-        if model.seeds[i].done {
+        if model.seeds[i].done || model.seeds[i].refused {
             continue;
         }
         let owned = seed_args(dir, &model.seeds[i]);
@@ -984,6 +1052,7 @@ fn take_copy(
         reseed,
         rows,
         done: false,
+        refused: false,
     });
     save_model(dir, model)?;
     Ok(true)
@@ -1260,6 +1329,14 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
     if switch && loss != DataLoss::None {
         return Err("the overrides ask for a capture-instance switch with a data loss; a switch needs data_loss \"none\"".into());
     }
+    // `snapshot.snapshot_on_switch = true` in half the schedules where a
+    // switch meets the chunked mode (adr-0028 Amendment 5: the switch opens a
+    // chunked snapshot at the newer instance's start), drawn apart.
+    let on_switch = switch && chunked && overrides.snapshot_on_switch.unwrap_or_else(|| SmallRng::seed_from_u64(seed ^ ON_SWITCH_DRAWS).random_bool(0.5));
+    if overrides.snapshot_on_switch == Some(true) && !on_switch {
+        return Err("the overrides ask for snapshot_on_switch without a switch in the chunked mode".into());
+    }
+    report.snapshots_on_switch += u32::from(on_switch);
     // A seed bootstrap, and reseeds (module docs), from a generator of their
     // own: the draws above and the main generator's stay what they were.
     let mut srng = SmallRng::seed_from_u64(seed ^ SEED_DRAWS);
@@ -1268,8 +1345,13 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
         (Some(false), Some(true)) => return Err("the overrides ask for a reseed without a seed bootstrap".into()),
         (Some(s), _) => s,
         (None, Some(true)) => true,
+        (None, _) if overrides.seed_race == Some(true) => true,
         (None, _) => drawn_seed,
     };
+    if overrides.seed_race == Some(true) && !seeded {
+        return Err("the overrides ask for a seed race without a seed bootstrap".into());
+    }
+    let mut report_seed_races = 0u32;
     // Legal only where nothing else takes a snapshot (no data loss, so no
     // recovery) and the copy is fitted to one capture instance (no switch).
     let reseeds = seeded && loss == DataLoss::None && !switch && overrides.reseed != Some(false);
@@ -1318,7 +1400,12 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
     db.capture().map_err(|e| e.to_string())?;
 
     let mode = if chunked {
-        format!("mode = \"chunked\"\nchunk_rows = {}\nparallelism = {}\ntarget_wave_seconds = 0\n", rng.random_range(3..12), rng.random_range(1..=2))
+        format!(
+            "mode = \"chunked\"\nchunk_rows = {}\nparallelism = {}\ntarget_wave_seconds = 0\n{}",
+            rng.random_range(3..12),
+            rng.random_range(1..=2),
+            if on_switch { "snapshot_on_switch = true\n" } else { "" }
+        )
     } else {
         "mode = \"full\"\n".to_string()
     };
@@ -1372,7 +1459,7 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
         // the column and the instance that captures it at once, then a write
         // the newer instance captures.
         // Not before a seed bootstrap is done: the seed is fitted to the instance the stream is on.
-        let seed_settled = !seeded || model.seeds.first().is_some_and(|c| c.done);
+        let seed_settled = !seeded || model.seeds.first().is_some_and(|c| c.done || c.refused);
         if draws.switch && model.switch_start.is_none() && seed_settled && ((draws.switch_first && call_events >= 3) || rng.random_bool(0.15)) {
             db.add_column(&table, ColumnDesc::new(EXTRA_COLUMN, SqlType::NVarChar { len: Some(16) }, true)).map_err(|e| e.to_string())?;
             let instance = db.enable_cdc(&table, Some(NEXT_INSTANCE), None).map_err(|e| e.to_string())?;
@@ -1410,6 +1497,7 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
         } else if reseeds
             && reseeds_made < 2
             && model.seeds.iter().all(|c| c.done)
+            && !model.seeds.iter().any(|c| c.refused)
             && ((reseed_first && reseeds_made == 0) || srng.random_bool(0.12))
             && take_copy(&db, &table, shape, &mut writer, dir, true, &mut srng, &trt, &mut model, report)?
         {
@@ -1427,13 +1515,14 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
         // only `seed` and `status` (an orchestrator seeds before it schedules
         // the rest: a stream or backfill would take a snapshot); after it,
         // the steps, the seed again now and then, and a pending reseed often.
-        let bootstrap_pending = seeded && model.seeds.first().is_some_and(|c| !c.done);
+        let bootstrap_pending = seeded && model.seeds.first().is_some_and(|c| !c.done && !c.refused);
+        let bootstrap_refused = model.seeds.first().is_some_and(|c| c.refused);
         let reseed_pending = model.seeds.iter().any(|c| c.reseed && !c.done);
         let mix: Vec<(&'static str, u32)> = if bootstrap_pending {
             vec![(SEED, 3), ("status", 1)]
         } else {
             let mut m: Vec<(&'static str, u32)> = steps.iter().map(|s| (*s, weights(s))).collect();
-            if seeded {
+            if seeded && !bootstrap_refused {
                 m.push((SEED, 3));
             }
             if reseed_pending {
@@ -1455,7 +1544,9 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
         let crash = |rng: &mut SmallRng| if rng.random_bool(0.3) { Some(rng.random_range(1..600)) } else { None };
         // A source fault for this event's call (or either of two at once).
         let armed = if draws.fault_share > 0.0 && rng.random_bool(draws.fault_share) { arm_fault(&db, &mut rng, report)? } else { 0 };
-        if roll < 85 {
+        // The forced race of the bootstrap's seed and a step beside it (Overrides::seed_race).
+        let force_race = overrides.seed_race == Some(true) && bootstrap_pending && report_seed_races == 0;
+        if roll < 85 && !force_race {
             let s = draw(&mut rng);
             *report.steps.entry(s.into()).or_default() += 1;
             let owned = call_args(s, dir, &model)?;
@@ -1476,14 +1567,24 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
                 let c = crash(&mut rng);
                 let ended = call(&wf, &argv, c);
                 succeeded = matches!(ended, Ended::Done(_, EXIT_OK));
+                let ended = seed_refusal(s, ended, &facts_location, &trt, &mut model, dir, report)?;
                 judge(s, ended, report)?;
             }
             if succeeded {
                 mark_seeded(&mut model, s, dir)?;
             }
         } else {
-            // Two calls at once, as two processes would make them.
-            let (a, b) = (draw(&mut rng), draw(&mut rng));
+            // Two calls at once, as two processes would make them. While the
+            // bootstrap's seed is pending, half of its pairs are the seed and
+            // a step that takes generation 0 another way (an orchestrator
+            // whose schedule started too early): one of the two must win.
+            let (mut a, mut b) = (draw(&mut rng), draw(&mut rng));
+            if bootstrap_pending && (force_race || (a == SEED && srng.random_bool(0.5))) {
+                a = SEED;
+                b = if chunked && srng.random_bool(0.5) { "backfill" } else { "stream" };
+                report.seed_races += 1;
+                report_seed_races += 1;
+            }
             let (ca, cb) = (crash(&mut rng), crash(&mut rng));
             report.overlaps += 1;
             *report.steps.entry(a.into()).or_default() += 1;
@@ -1495,6 +1596,8 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
             let ea = ta.join().map_err(|_| format!("{a} panicked"))?;
             let eb = tb.join().map_err(|_| format!("{b} panicked"))?;
             let (oka, okb) = (matches!(ea, Ended::Done(_, EXIT_OK)), matches!(eb, Ended::Done(_, EXIT_OK)));
+            let ea = seed_refusal(a, ea, &facts_location, &trt, &mut model, dir, report)?;
+            let eb = seed_refusal(b, eb, &facts_location, &trt, &mut model, dir, report)?;
             judge(a, ea, report)?;
             judge(b, eb, report)?;
             for (step, ok) in [(a, oka), (b, okb)] {
@@ -1519,13 +1622,16 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
         report.seeded += 1;
     }
     finish_seeds(&wf, dir, &mut model)?;
-    if reseed_first && reseeds_made == 0 && take_copy(&db, &table, shape, &mut writer, dir, true, &mut srng, &trt, &mut model, report)? {
+    if reseed_first && reseeds_made == 0 && !model.seeds.iter().any(|c| c.refused) && take_copy(&db, &table, shape, &mut writer, dir, true, &mut srng, &trt, &mut model, report)? {
         reseeds_made += 1;
         report.reseeds += 1;
         finish_seeds(&wf, dir, &mut model)?;
     }
     drop(trt);
     let checked = drain_and_check(&db, &table, shape, chunked, &wf, &columns, &model)?;
+    if on_switch {
+        snapshot_opened_on_switch(&facts_location)?;
+    }
     if checked.reseeds != reseeds_made {
         return Err(format!("the schedule made {reseeds_made} reseeds, but the checks matched {} to the facts", checked.reseeds));
     }
@@ -1538,6 +1644,31 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
     }
     report.recoveries += checked.recoveries;
     report.skipped_ranges += checked.skipped;
+    Ok(())
+}
+
+/// With `snapshot_on_switch = true`, a stream that switched capture
+/// instances opened a chunked snapshot at the newer one's start, and the
+/// drain completed it (its completion names that S).
+fn snapshot_opened_on_switch(facts: &str) -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let rows = rt.block_on(fact_rows(facts, "t"))?.unwrap_or_default();
+    if !rows.iter().any(|r| r.event.as_deref() == Some(crate::delta::facts::EVENT_CAPTURE_INSTANCE_SWITCHED)) {
+        return Ok(());
+    }
+    let opens: Vec<Lsn> = rows
+        .iter()
+        .filter(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_OPEN) && crate::engine::chunked::switch_batch_of(r).is_some())
+        .filter_map(|r| r.min_lsn)
+        .collect();
+    if opens.is_empty() {
+        return Err("the stream switched capture instances with snapshot_on_switch = true, but no snapshot was opened on the switch".into());
+    }
+    for s in opens {
+        if !rows.iter().any(|r| r.event.as_deref() == Some(EVENT_BOOTSTRAP) && r.max_lsn == Some(s)) {
+            return Err(format!("the snapshot opened on the capture-instance switch at {s} was never completed"));
+        }
+    }
     Ok(())
 }
 
@@ -1959,6 +2090,31 @@ async fn seeds_match_copies(
 ) -> Result<u32, String> {
     let mut completions: Vec<&FactRow> = facts.iter().filter(|r| is_seed_completion(r)).collect();
     completions.sort_by_key(|r| r.generation);
+    let refused: Vec<&SeedCopy> = model.seeds.iter().filter(|c| c.refused).collect();
+    let seeds: Vec<SeedCopy> = model.seeds.iter().filter(|c| !c.refused).cloned().collect();
+    if !refused.is_empty() && !model.cleanups.iter().any(|c| c.past) {
+        // The refused seed's rows are gone from bronze: without a data loss
+        // (whose recoveries may leave a cut full re-snapshot uncompleted),
+        // every point bronze holds whole-snapshot rows at is one a
+        // completion row names.
+        let completed_at: BTreeSet<String> = facts
+            .iter()
+            .filter(|r| matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT)))
+            .filter_map(|r| r.max_lsn.map(|l| l.to_hex()))
+            .collect();
+        let sql = "SELECT DISTINCT coalesce(_snapshot, _start_lsn) AS p FROM t WHERE _operation = 0 AND _chunk IS NULL";
+        for b in delta::query(bronze, sql).await.map_err(|e| e.to_string())? {
+            for p in texts(&b, &["p".to_string()])? {
+                if !completed_at.contains(&p) {
+                    return Err(format!(
+                        "bronze holds whole-snapshot rows at {p}, which no completion row names, after the seed from {} was refused: its rows were not removed",
+                        refused[0].copy
+                    ));
+                }
+            }
+        }
+    }
+    let model = &Model { seeds, ..model.clone() };
     if completions.is_empty() && model.seeds.is_empty() {
         return Ok(0);
     }

@@ -8,7 +8,10 @@
 //!   with a data file and no commit is still refused (exit 2);
 //! - two full bootstraps at once, the loser's open at a higher S: the
 //!   winner's completion of the generation supersedes it, so it does not
-//!   block `seed --reseed`.
+//!   block `seed --reseed`;
+//! - two workflows with app ids of their own that share one facts table,
+//!   their `stream` calls at the same moment round after round: each target
+//!   still equals its own table.
 //!
 //! The window of the first race is made certain with a sleep failpoint
 //! between a call's look for the table and its create
@@ -254,4 +257,63 @@ fn a_full_bootstrap_that_lost_at_a_higher_s_does_not_block_reseed() {
     let rows = facts(&rt, &s);
     assert_eq!(events(&rows, "resnapshot").iter().map(|r| r.max_lsn).collect::<Vec<_>>(), vec![Some(l)]);
     assert_bronze_equals_table(&rt, &s, "after the reseed");
+}
+
+/// Two workflows with app ids of their own share one facts table, and their
+/// `stream` calls run at the same moment, round after round (two processes
+/// started together; natural timing). Each facts commit is a blind append
+/// under its own stream's txn ids, so neither takes or blocks the other's:
+/// both calls end 0 or 75, and at the end each bronze equals its table's
+/// change log and each stream's batch ranges tile.
+#[test]
+fn two_streams_sharing_one_facts_table_write_it_at_the_same_moment() {
+    let mut s = Scenario::new(20, FULL);
+    let other = mssql_cdc::source::TableName::new("dbo", "other");
+    s.db.create_table(&common::items_spec(&other)).unwrap();
+    s.db.load_rows(&other, (1..=15).map(|i| common::item_row(i, 0))).unwrap();
+    s.db.enable_cdc(&other, None, None).unwrap();
+    common::settle(&s.db);
+    let other_wf = s.path().join("other.toml");
+    std::fs::write(
+        &other_wf,
+        format!(
+            "app_id = \"other\"\n[source]\nurl = \"sim://source.sqlite\"\n[table]\nname = \"other\"\n\
+             [target]\nbronze = \"bronze_other\"\nfacts = \"facts\"\n{FULL}\n"
+        ),
+    )
+    .unwrap();
+    let dir = s.path().to_path_buf();
+    let spawn_other = || common::cli_command(&other_wf, &["stream"], &[]).current_dir(&dir).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut next_other = 100;
+    for round in 0..6 {
+        if round > 0 {
+            s.changes(4);
+            let keys = s.db.keys(&other).unwrap();
+            s.db.transaction(|tx| {
+                tx.insert(&other, common::item_row(next_other, 0))?;
+                tx.update(&other, &keys[0], common::item_row(keys[0][0].as_i64().unwrap(), round))?;
+                tx.delete(&other, &keys[1])?;
+                Ok(())
+            })
+            .unwrap();
+            next_other += 1;
+            common::settle(&s.db);
+        }
+        let (a, b) = (spawn(&s, &["stream"], &[]), spawn_other());
+        for (name, (code, json)) in [("items", finish(a)), ("other", finish(b))] {
+            assert!(code == 0 || code == 75, "round {round}: the {name} stream exited {code}: {json}");
+        }
+    }
+    common::settle(&s.db);
+    common::cli_stream_until_caught_up(&s);
+    for call in 0.. {
+        let (code, json) = finish(spawn_other());
+        assert!(code == 0 || code == 75, "the other stream exited {code}: {json}");
+        if code == 0 && json["caught_up"] == true {
+            break;
+        }
+        assert!(call < 5, "the other stream did not catch up in 5 calls: {json}");
+    }
+    common::assert_targets_match_source_blocking(&s.db, &s.table, &s.wf_path);
+    common::assert_targets_match_source_blocking(&s.db, &other, &other_wf);
 }

@@ -2,14 +2,12 @@
 //! open (docs/CONFORMANCE.md rows 28.52, 28.82 full direction, 28.83, 28.96,
 //! 28.97, 28.112, 18.26), each driven in process on the simulator.
 //!
-//! Every race is made certain, not hoped for: a [`Gate`] is a failpoint
-//! armed with a callback (`fail::cfg_callback`) that holds the n-th call
-//! reaching it until the test opens it, while every other call passes. The
-//! held call runs on a thread of its own with its own runtime ([`Call`]);
-//! the test waits until the call is held, runs the other call to its end
-//! (or changes the source), then opens the gate. Failpoints armed in process
-//! are process-global, so this file is a test binary of its own, and each
-//! test holds `fail::FailScenario` (one test at a time, failpoints cleared).
+//! Every race is made certain, not hoped for, with `common::gate`: the
+//! test waits until one call is held at a failpoint, runs the other call to
+//! its end (or changes the source), then opens the gate. Failpoints armed in
+//! process are process-global, so this file is a test binary of its own, and
+//! each test holds `fail::FailScenario` (one test at a time, failpoints
+//! cleared).
 //!
 //! Checks read the simulator's own rows and the Delta tables themselves
 //! (bronze's rows per chunk, the facts rows, the plans rows, silver), opened
@@ -20,10 +18,9 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use common::gate::{failpoints_and_runtime, start_held, wait_until, Gate};
 use common::model::{delta_rows, source_rows};
 use common::{table_rows_by_id as table_rows, Scenario};
 use deltalake::arrow::array::{Array, Int64Array, StringArray};
@@ -49,145 +46,6 @@ const CHUNKED_SILVER: &str = "silver = \"silver\"\n[snapshot]\nbootstrap = true\
                               target_wave_seconds = 0\n[stream]\nmax_batch_rows = 1000\n";
 const FULL_RESNAPSHOT: &str =
     "[snapshot]\nbootstrap = true\nmode = \"full\"\nparallelism = 2\n[stream]\nmax_batch_rows = 1000\non_data_loss = \"resnapshot\"\n";
-
-// ---------------------------------------------------------------------------
-// Holding a call at a failpoint.
-
-#[derive(Default)]
-struct GateState {
-    hits: u32,
-    open: bool,
-}
-
-/// A failpoint that holds the `nth` call reaching it (counting from 1)
-/// until [`Gate::open`]; every other call passes at once. `nth = 0` holds
-/// nothing and only counts. Dropping the gate opens it and disarms the
-/// failpoint, so a failing test never leaves a thread held.
-struct Gate {
-    name: &'static str,
-    nth: u32,
-    state: Arc<(Mutex<GateState>, Condvar)>,
-}
-
-impl Gate {
-    fn hold(name: &'static str, nth: u32) -> Gate {
-        let state = Arc::new((Mutex::new(GateState::default()), Condvar::new()));
-        let shared = state.clone();
-        fail::cfg_callback(name, move || {
-            let (lock, cv) = &*shared;
-            let mut g = lock.lock().unwrap_or_else(|e| e.into_inner());
-            g.hits += 1;
-            if g.hits != nth {
-                return;
-            }
-            cv.notify_all();
-            while !g.open {
-                g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
-            }
-        })
-        .unwrap();
-        Gate { name, nth, state }
-    }
-
-    /// Counts the calls reaching `name`, holding none.
-    fn count(name: &'static str) -> Gate {
-        Gate::hold(name, 0)
-    }
-
-    fn hits(&self) -> u32 {
-        self.state.0.lock().unwrap_or_else(|e| e.into_inner()).hits
-    }
-
-    /// Waits until the `nth` call is held here; fails when `call` ended first.
-    fn wait_held<T: std::fmt::Debug + Send + 'static>(&self, call: &mut Call<T>) {
-        assert!(self.nth > 0, "gate {} holds nothing", self.name);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let (lock, cv) = &*self.state;
-        let mut g = lock.lock().unwrap_or_else(|e| e.into_inner());
-        while g.hits < self.nth {
-            if call.is_finished() {
-                drop(g);
-                let r = call.join();
-                panic!("the call ended before failpoint {} held it: {r:?}", self.name);
-            }
-            assert!(Instant::now() < deadline, "no call was held at failpoint {} within 60 s", self.name);
-            g = cv.wait_timeout(g, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner()).0;
-        }
-    }
-
-    fn open(&self) {
-        let (lock, cv) = &*self.state;
-        lock.lock().unwrap_or_else(|e| e.into_inner()).open = true;
-        cv.notify_all();
-    }
-}
-
-impl Drop for Gate {
-    fn drop(&mut self) {
-        self.open();
-        fail::remove(self.name);
-    }
-}
-
-/// A step running on a thread of its own, with its own runtime, so a gate
-/// holding its thread holds nothing of the test's.
-struct Call<T> {
-    handle: Option<JoinHandle<T>>,
-}
-
-impl<T: Send + 'static> Call<T> {
-    fn start<F, Fut>(f: F) -> Call<T>
-    where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: std::future::Future<Output = T>,
-    {
-        let handle = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
-            rt.block_on(f())
-        });
-        Call { handle: Some(handle) }
-    }
-
-    fn is_finished(&self) -> bool {
-        self.handle.as_ref().is_none_or(|h| h.is_finished())
-    }
-
-    fn join(&mut self) -> T {
-        match self.handle.take().expect("a call is joined once").join() {
-            Ok(v) => v,
-            Err(panic) => std::panic::resume_unwind(panic),
-        }
-    }
-}
-
-/// A test's hold on the process's failpoints (one test at a time, cleared
-/// when it ends) and the test's own runtime.
-fn failpoints_and_runtime() -> (fail::FailScenario<'static>, tokio::runtime::Runtime) {
-    let fp = fail::FailScenario::setup();
-    (fp, tokio::runtime::Runtime::new().unwrap())
-}
-
-/// Starts `step` on the workflow file `wf` as a [`Call`] and waits until
-/// `gate` (armed before, with any other gate the call meets) holds it.
-fn start_held<T, F, Fut>(gate: &Gate, wf: &Path, step: F) -> Call<T>
-where
-    T: std::fmt::Debug + Send + 'static,
-    F: FnOnce(PathBuf) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = T>,
-{
-    let wf = wf.to_path_buf();
-    let mut call = Call::start(move || step(wf));
-    gate.wait_held(&mut call);
-    call
-}
-
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !done() {
-        assert!(Instant::now() < deadline, "{what}: not within 60 s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 // ---------------------------------------------------------------------------
 // The steps, each on a fresh context of the workflow file (as a process would).
@@ -749,4 +607,52 @@ fn two_recoveries_at_once_record_one_recovery_and_one_resnapshot() {
 
     stream_until_caught_up(&rt, &s);
     assert_eq!(assert_bronze_equals_table(&rt, &s), resnap);
+}
+
+/// Two workflows that share an app id (and a facts table) but not a table
+/// make their first calls at once: both pass the identity check on a facts
+/// table with no row of that app id. The one that reads the other's rows
+/// when it loads its state is refused there (exit 2), before it decides or
+/// writes anything from them; the other goes on alone.
+#[test]
+fn two_workflows_with_one_app_id_started_at_once_the_one_reading_the_others_rows_is_refused() {
+    let (_fp, rt) = failpoints_and_runtime();
+    let s = Scenario::new(10, "[stream]\nmax_batch_rows = 1000\n");
+    let other = mssql_cdc::source::TableName::new("dbo", "other");
+    s.db.create_table(&common::items_spec(&other)).unwrap();
+    s.db.load_rows(&other, (1..=5).map(|i| common::item_row(i, 0))).unwrap();
+    s.db.enable_cdc(&other, None, None).unwrap();
+    common::settle(&s.db);
+    let other_wf = s.path().join("other.toml");
+    std::fs::write(
+        &other_wf,
+        "app_id = \"items\"\n[source]\nurl = \"sim://source.sqlite\"\n[table]\nname = \"other\"\n\
+         [target]\nbronze = \"bronze_other\"\nfacts = \"facts\"\n[stream]\nmax_batch_rows = 1000\n",
+    )
+    .unwrap();
+    // The other workflow is held in its first load of the state, after its
+    // identity check passed; this one runs a whole call meanwhile.
+    let gate = Gate::hold("state.between_facts_and_bronze", 1);
+    let mut held = start_held(&gate, &other_wf, stream_at);
+    let first = rt.block_on(stream_at(s.wf_path.clone())).unwrap();
+    gate.open();
+    let e = held.join().unwrap_err();
+    assert_eq!(e.exit_code(), 2, "{e}");
+    assert!(e.to_string().contains("names two streams"), "{e}");
+    let rows = facts_rows(&rt, &s);
+    assert!(!rows.is_empty() && rows.iter().all(|r| r.table.to_lowercase().ends_with("items")), "only this workflow's rows: {rows:?}");
+    let other_bronze = s.path().join("bronze_other").to_string_lossy().into_owned();
+    if rt.block_on(mssql_cdc::delta::open_existing(&other_bronze, &Default::default())).unwrap().is_some() {
+        assert_eq!(int_rows(&rt, &other_bronze, "SELECT count(*) FROM t"), vec![vec![Some(0)]], "the refused workflow wrote no row");
+    }
+    // This workflow goes on from its own start.
+    let items = s.table.clone();
+    s.db.transaction(|tx| {
+        tx.insert(&items, common::item_row(100, 1))?;
+        Ok(())
+    })
+    .unwrap();
+    common::settle(&s.db);
+    let next = rt.block_on(stream_at(s.wf_path.clone())).unwrap();
+    assert!(next.position > first.position, "{first:?} then {next:?}");
 }

@@ -33,3 +33,158 @@ async fn crash_after_the_bronze_commit_then_rerun() {
     s.stream_until_caught_up().await;
     assert_eq!(s.verify().await.differences(), 0);
 }
+
+// ---------------------------------------------------------------------------
+// A seed beside another step: each race made certain with a gate
+// (`common::gate`) that holds the seed between its read of the copy and its
+// bronze commit, or between its two commits, while the other step runs.
+
+use std::path::PathBuf;
+
+use common::gate::{failpoints_and_runtime, start_held, Gate};
+use mssql_cdc::engine::{self, chunked};
+use mssql_cdc::error::StepResult;
+
+const CHUNKED: &str = "[snapshot]\nbootstrap = true\nmode = \"chunked\"\nparallelism = 2\nchunk_rows = 10\ntarget_wave_seconds = 0\n\
+                       [stream]\nmax_batch_rows = 1000\n";
+const FULL: &str = "[snapshot]\nbootstrap = true\nmode = \"full\"\n[stream]\nmax_batch_rows = 1000\n";
+const NO_BOOTSTRAP: &str = "[stream]\nmax_batch_rows = 1000\n";
+/// bronze's whole-snapshot rows: a seed's or a full snapshot's.
+const WHOLE_SNAPSHOT_ROWS: &str = "_operation = 0 AND _chunk IS NULL";
+
+/// A scenario with a copy of its table taken at the max LSN it records
+/// first, changes after it, and everything captured.
+fn scenario_with_copy(rt: &tokio::runtime::Runtime, workflow: &str) -> (Scenario, SeedArgs, i64) {
+    let mut s = Scenario::new(20, workflow);
+    let recorded = s.db.max_lsn().unwrap().unwrap();
+    let copy = s.path().join("copy");
+    let source = s.db.source().unwrap();
+    let rows = rt.block_on(async {
+        let ci = mssql_cdc::source::CdcSource::capture_instances(&source, &s.table).await.unwrap().pop().unwrap();
+        mssql_cdc::seed_copy::export_parquet(&source, &s.table, &ci.columns, &copy, 1000).await.unwrap() as i64
+    });
+    s.changes(3);
+    common::settle(&s.db);
+    let args = SeedArgs { copy: copy.to_string_lossy().into_owned(), as_of: AsOf::Lsn(recorded), reseed: false, allow_missing_columns: false };
+    (s, args, rows)
+}
+
+async fn seed_at(wf: PathBuf, args: SeedArgs) -> StepResult<seed::SeedResult> {
+    let mut ctx = engine::open_workflow(&wf).await?;
+    seed::run(&mut ctx, &args).await
+}
+
+async fn open_chunked_at(wf: PathBuf) -> StepResult<Option<chunked::OpenResult>> {
+    let mut ctx = engine::open_workflow(&wf).await?;
+    chunked::ensure_bootstrap_open(&mut ctx).await
+}
+
+fn facts_events(rt: &tokio::runtime::Runtime, s: &Scenario, event: &str) -> Vec<mssql_cdc::delta::facts::FactRow> {
+    let rows = rt.block_on(async {
+        let t = mssql_cdc::delta::open_existing(&s.path().join("facts").to_string_lossy(), &Default::default()).await.unwrap().unwrap();
+        mssql_cdc::delta::facts::from_batches(&mssql_cdc::delta::query(&t, "SELECT * FROM t").await.unwrap()).unwrap()
+    });
+    rows.into_iter().filter(|r| r.event.as_deref() == Some(event)).collect()
+}
+
+#[test]
+fn a_chunked_open_while_the_copy_is_read_refuses_the_seed_before_it_commits() {
+    let (_fp, rt) = failpoints_and_runtime();
+    let (s, args, _) = scenario_with_copy(&rt, CHUNKED);
+    let gate = Gate::hold("seed.after_copy_read", 1);
+    let a = args.clone();
+    let mut seed_call = start_held(&gate, &s.wf_path, move |wf| seed_at(wf, a));
+    let opened = rt.block_on(open_chunked_at(s.wf_path.clone())).unwrap().expect("the stream's bootstrap opens its chunked snapshot");
+    gate.open();
+    let e = seed_call.join().unwrap_err();
+    assert_eq!(e.exit_code(), 2, "{e}");
+    assert!(e.to_string().contains("snapshot"), "the refusal names the open snapshot: {e}");
+    assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), 0, "the seed committed none of its rows");
+    assert!(facts_events(&rt, &s, "bootstrap").is_empty(), "no completion but the chunked snapshot's own, later");
+    assert_eq!(facts_events(&rt, &s, "snapshot_open").len(), 1);
+    // The chunked snapshot finishes as if the seed had never run.
+    common::cli_backfill_until_done(&s);
+    rt.block_on(s.stream_until_caught_up());
+    let done = facts_events(&rt, &s, "bootstrap");
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].max_lsn, Some(opened.snapshot_lsn));
+    assert_eq!(rt.block_on(s.verify()).differences(), 0);
+}
+
+#[test]
+fn a_stream_started_between_the_seeds_commits_keeps_the_generation_and_the_seeds_rows_are_removed() {
+    let (_fp, rt) = failpoints_and_runtime();
+    let (s, args, rows) = scenario_with_copy(&rt, NO_BOOTSTRAP);
+    let gate = Gate::hold("seed.after_bronze", 1);
+    let a = args.clone();
+    let mut seed_call = start_held(&gate, &s.wf_path, move |wf| seed_at(wf, a));
+    assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), rows, "held after its bronze commit");
+    let streamed = rt.block_on(s.stream()).unwrap();
+    gate.open();
+    let e = seed_call.join().unwrap_err();
+    assert_eq!(e.exit_code(), 2, "{e}");
+    assert!(e.to_string().contains("started by another step"), "{e}");
+    assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), 0, "the seed removed the rows it had committed");
+    assert!(facts_events(&rt, &s, "bootstrap").is_empty(), "the generation has one start: the stream's");
+    let starts = facts_events(&rt, &s, "stream_start");
+    assert_eq!(starts.len(), 1);
+    assert!(streamed.position >= starts[0].max_lsn, "{streamed:?}");
+    // A rerun of the seed is refused as a seed after a stream start is, and writes nothing.
+    let e = rt.block_on(seed_at(s.wf_path.clone(), args)).unwrap_err();
+    assert_eq!(e.exit_code(), 2, "{e}");
+    assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), 0);
+    assert!(facts_events(&rt, &s, "bootstrap").is_empty());
+}
+
+#[test]
+fn a_full_bootstrap_between_the_seeds_commits_completes_it_as_the_seed() {
+    let (_fp, rt) = failpoints_and_runtime();
+    let (s, args, rows) = scenario_with_copy(&rt, FULL);
+    let gate = Gate::hold("seed.after_bronze", 1);
+    let a = args.clone();
+    let mut seed_call = start_held(&gate, &s.wf_path, move |wf| seed_at(wf, a));
+    // The stream's bootstrap finds bronze's snapshot key taken by the seed's
+    // commit and completes it: as the seed, naming its copy.
+    let boot = rt.block_on(s.stream()).unwrap();
+    assert!(boot.bootstrap.is_some(), "{boot:?}");
+    gate.open();
+    let r = seed_call.join().unwrap();
+    assert!(!r.already_seeded && r.rows == rows, "{r:?}");
+    let done = facts_events(&rt, &s, "bootstrap");
+    assert_eq!(done.len(), 1, "one completion");
+    let detail = done[0].detail.clone().unwrap();
+    assert_eq!(detail["mode"], "seed", "{detail}");
+    assert_eq!(detail["copy"], args.copy.as_str(), "{detail}");
+    assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), rows, "one copy of the rows, no full snapshot beside it");
+    let again = rt.block_on(seed_at(s.wf_path.clone(), args)).unwrap();
+    assert!(again.already_seeded, "{again:?}");
+    rt.block_on(s.stream_until_caught_up());
+    assert_eq!(rt.block_on(s.verify()).differences(), 0);
+}
+
+#[test]
+fn a_seed_cut_after_its_bronze_commit_then_a_chunked_open_the_rerun_removes_its_rows() {
+    let (_fp, rt) = failpoints_and_runtime();
+    let (s, args, rows) = scenario_with_copy(&rt, CHUNKED);
+    fail::cfg("seed.after_bronze", "1*return").unwrap();
+    let e = rt.block_on(seed_at(s.wf_path.clone(), args.clone())).unwrap_err();
+    assert!(e.to_string().contains("seed.after_bronze"), "{e}");
+    fail::remove("seed.after_bronze");
+    assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), rows);
+    // The stream's chunked bootstrap opens: no completion holds generation 0 yet.
+    rt.block_on(open_chunked_at(s.wf_path.clone())).unwrap().expect("an open");
+    // The rerun cannot complete the seed: cut once more before its undo, then again.
+    fail::cfg("seed.before_undo", "1*return").unwrap();
+    let e = rt.block_on(seed_at(s.wf_path.clone(), args.clone())).unwrap_err();
+    assert!(e.to_string().contains("seed.before_undo"), "{e}");
+    fail::remove("seed.before_undo");
+    assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), rows, "cut before the undo: the rows are still there");
+    let e = rt.block_on(seed_at(s.wf_path.clone(), args.clone())).unwrap_err();
+    assert_eq!(e.exit_code(), 2, "{e}");
+    assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), 0, "the rerun removed the seed's rows");
+    assert!(facts_events(&rt, &s, "bootstrap").is_empty());
+    common::cli_backfill_until_done(&s);
+    rt.block_on(s.stream_until_caught_up());
+    assert_eq!(facts_events(&rt, &s, "bootstrap").len(), 1);
+    assert_eq!(rt.block_on(s.verify()).differences(), 0);
+}

@@ -503,6 +503,33 @@ where
     S: futures::Stream<Item = StepResult<RecordBatch>> + Send,
     F: FnOnce() -> Value,
 {
+    match write_files(table, batches, schema, txn).await? {
+        Written::AlreadyApplied { found } => Ok(Appended::AlreadyApplied { found }),
+        Written::Empty => Ok(Appended::Empty),
+        Written::Files { adds, .. } => commit_adds(table, adds, txn, metadata()).await,
+    }
+}
+
+/// What [`write_files`] wrote.
+#[derive(Debug)]
+pub enum Written {
+    /// The table already holds the txn: nothing was written.
+    AlreadyApplied { found: i64 },
+    /// There were no rows: nothing was written.
+    Empty,
+    /// Data files, not committed: [`commit_adds`] makes them part of the
+    /// table; files never committed are orphans Delta's VACUUM removes.
+    Files { adds: Vec<deltalake::kernel::Add>, rows: usize },
+}
+
+/// The first half of [`append_idempotent_with`]: writes the batches to data
+/// files (same writer rules) and returns their `Add` actions uncommitted, so
+/// a caller can look at the target once more between its read and its
+/// commit (a seed, whose read of a copy can take hours, decides again there).
+pub async fn write_files<S>(table: &mut DeltaTable, batches: S, schema: SchemaRef, txn: &Txn) -> StepResult<Written>
+where
+    S: futures::Stream<Item = StepResult<RecordBatch>> + Send,
+{
     let label = table.table_url().to_string();
     if table.snapshot().is_err() {
         // A table never loaded has no state to write with: load it first.
@@ -511,7 +538,7 @@ where
     let mut writer = streaming_writer(table)?;
     table.update_state().await.map_err(StepError::delta(&label))?;
     if let Some(found) = applied(table, txn).await? {
-        return Ok(Appended::AlreadyApplied { found });
+        return Ok(Written::AlreadyApplied { found });
     }
     check_writer_columns(&writer, &schema, &label)?;
     let mut batches = std::pin::pin!(batches);
@@ -524,10 +551,10 @@ where
         }
     }
     if rows == 0 {
-        return Ok(Appended::Empty);
+        return Ok(Written::Empty);
     }
     let adds = writer.flush().await.map_err(StepError::delta(&label))?;
-    commit_adds(table, adds, txn, metadata()).await
+    Ok(Written::Files { adds, rows })
 }
 
 /// The writer of [`append_idempotent_with`] must have the columns the rows
@@ -615,6 +642,145 @@ pub async fn commit_adds(table: &mut DeltaTable, adds: Vec<deltalake::kernel::Ad
         }
         Err(e) => applied_after_failure(table, txn, &label, e).await,
     }
+}
+
+/// What [`append_claiming`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claimed {
+    /// A new commit at this table version, holding the txn and every claim.
+    Committed { table_version: i64 },
+    /// The table already held the txn itself (version `found`).
+    AlreadyApplied { found: i64 },
+    /// The table holds one of the claims (its app id at or past the version
+    /// claimed) and not the txn: a commit of another kind decided the
+    /// outcome first. Nothing was committed.
+    Taken { claim: Txn, found: i64 },
+}
+
+/// Appends facts-sized batches (held in memory) in one commit that carries
+/// `txn` and, besides it, every txn of `claims`: the keys other steps commit
+/// under when they decide the same outcome another way (a seed's completion
+/// claims the keys of its generation's stream start and chunked open).
+/// Delta refuses a commit when a concurrent winner wrote a txn app id it
+/// writes too (delta-rs's conflict checker compares the two commits' app
+/// ids), so of the commits that share a key exactly one lands, whichever
+/// runs first, and the loser finds the key taken when it reads again.
+pub async fn append_claiming(table: &mut DeltaTable, batches: Vec<RecordBatch>, txn: &Txn, claims: &[Txn], metadata: Value) -> StepResult<Claimed> {
+    use deltalake::kernel::transaction::CommitBuilder;
+    use deltalake::protocol::{DeltaOperation, SaveMode};
+    let label = table.table_url().to_string();
+    if table.snapshot().is_err() {
+        table.update_state().await.map_err(StepError::delta(&label))?;
+    }
+    let mut writer = streaming_writer(table)?;
+    for b in batches {
+        if b.num_rows() > 0 {
+            writer.write(b).await.map_err(StepError::delta(&label))?;
+        }
+    }
+    let adds = writer.flush().await.map_err(StepError::delta(&label))?;
+    table.update_state().await.map_err(StepError::delta(&label))?;
+    if let Some(c) = claim_outcome(table, txn, claims).await? {
+        return Ok(c);
+    }
+    let mut props = step_commit_properties(txn, metadata);
+    for c in claims {
+        props = props.with_application_transaction(Transaction::new(&c.app_id, c.version));
+    }
+    let actions: Vec<deltalake::kernel::Action> = adds.into_iter().map(deltalake::kernel::Action::Add).collect();
+    let operation = DeltaOperation::Write { mode: SaveMode::Append, partition_by: None, predicate: None };
+    let result = {
+        let snapshot = table.snapshot().map_err(StepError::delta(&label))?;
+        CommitBuilder::from(props).with_actions(actions).build(Some(snapshot), table.log_store(), operation).await
+    };
+    match result {
+        Ok(done) => {
+            let v = done.version();
+            table.update_state().await.map_err(StepError::delta(&label))?;
+            Ok(Claimed::Committed { table_version: v as i64 })
+        }
+        Err(e) => {
+            table.update_state().await.map_err(StepError::delta(&label))?;
+            match claim_outcome(table, txn, claims).await? {
+                Some(c) => Ok(c),
+                None => Err(StepError::delta(&label)(e)),
+            }
+        }
+    }
+}
+
+/// The txn applied, or a claim taken; None when the commit may go ahead.
+async fn claim_outcome(table: &DeltaTable, txn: &Txn, claims: &[Txn]) -> StepResult<Option<Claimed>> {
+    if let Some(found) = applied(table, txn).await? {
+        return Ok(Some(Claimed::AlreadyApplied { found }));
+    }
+    for c in claims {
+        if let Some(found) = applied(table, c).await? {
+            return Ok(Some(Claimed::Taken { claim: c.clone(), found }));
+        }
+    }
+    Ok(None)
+}
+
+/// The data files commit `version` added that the table's loaded state
+/// still holds (paths as the log stores them, decoded).
+pub async fn files_of_commit_held(table: &DeltaTable, version: i64) -> StepResult<Vec<String>> {
+    let label = table.table_url().to_string();
+    let Some(bytes) = table.log_store().read_commit_entry(version as u64).await.map_err(StepError::delta(&label))? else {
+        return Err(StepError::NeedsPerson(format!(
+            "commit {version} of {label} is no longer in the Delta log, so the files it added cannot be named: remove its rows by hand"
+        )));
+    };
+    let mut added = std::collections::HashSet::new();
+    for line in bytes.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+        let a: Value = serde_json::from_slice(line).map_err(|e| StepError::Internal(format!("commit {version} of {label}: {e}")))?;
+        if let Some(p) = a.get("add").and_then(|x| x.get("path")).and_then(Value::as_str) {
+            added.insert(percent_encoding::percent_decode_str(p).decode_utf8_lossy().into_owned());
+        }
+    }
+    let snapshot = table.snapshot().map_err(StepError::delta(&label))?;
+    Ok(snapshot.log_data().iter().map(|f| f.path().into_owned()).filter(|p| added.contains(p)).collect())
+}
+
+/// Removes, in one commit, the data files commit `version` added that the
+/// table still holds: the undo of a step's own commit whose outcome a
+/// commit of another kind decided first (a seed whose completion lost to a
+/// stream start). Idempotent by content: a rerun finds fewer files (none:
+/// nothing is committed), and when a concurrent undo removed them first,
+/// Delta refuses this commit and the retry finds none. Returns the number
+/// of files removed.
+pub async fn remove_files_of_commit(table: &mut DeltaTable, version: i64, metadata: Value) -> StepResult<usize> {
+    use deltalake::kernel::transaction::CommitBuilder;
+    use deltalake::protocol::DeltaOperation;
+    let label = table.table_url().to_string();
+    for _attempt in 0..5 {
+        table.update_state().await.map_err(StepError::delta(&label))?;
+        let held: std::collections::HashSet<String> = files_of_commit_held(table, version).await?.into_iter().collect();
+        if held.is_empty() {
+            return Ok(0);
+        }
+        let removes: Vec<deltalake::kernel::Action> = {
+            let snapshot = table.snapshot().map_err(StepError::delta(&label))?;
+            snapshot.log_data().iter().filter(|f| held.contains(f.path().as_ref())).map(|f| deltalake::kernel::Action::Remove(f.remove_action(true))).collect()
+        };
+        let n = removes.len();
+        let props = CommitProperties::default()
+            .with_metadata([("userMetadata".to_string(), json!(metadata.to_string())), ("mssql_cdc".to_string(), metadata.clone())]);
+        let result = {
+            let snapshot = table.snapshot().map_err(StepError::delta(&label))?;
+            CommitBuilder::from(props).with_actions(removes).build(Some(snapshot), table.log_store(), DeltaOperation::Delete { predicate: None }).await
+        };
+        match result {
+            Ok(_) => {
+                table.update_state().await.map_err(StepError::delta(&label))?;
+                return Ok(n);
+            }
+            // A concurrent undo removed them first (Delta's delete-delete
+            // conflict), or another commit raced this one: look again.
+            Err(e) => tracing::warn!(error = %e, version, "removing the files of a commit met a concurrent commit: looking again"),
+        }
+    }
+    Err(StepError::Temporary(format!("could not remove the files of commit {version} of {label} against concurrent commits: call again")))
 }
 
 /// Appends batches in one commit without a txn: for rows written once per
@@ -834,5 +1000,85 @@ mod tests {
             .await
             .unwrap();
         assert!(matches!(again, Appended::AlreadyApplied { found: 0 }), "{again:?}");
+    }
+
+    fn facts_row(app: &str, event: &str) -> crate::delta::facts::FactRow {
+        crate::delta::facts::FactRow { app_id: app.into(), table: "dbo.t".into(), target: "bronze".into(), event: Some(event.into()), ..Default::default() }
+    }
+
+    /// `append_claiming`'s exclusion rests on delta-rs refusing a commit whose
+    /// txn app ids a commit that landed after the loser's read also wrote.
+    /// Two callers read the table, both find the key free, one commits; the
+    /// other's commit, built on the state it read, must fail, and
+    /// `append_claiming` must then report the key taken and commit nothing.
+    /// A key none of them share does not conflict.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn commits_sharing_a_txn_key_land_once_whoever_read_first() {
+        use deltalake::kernel::transaction::CommitBuilder;
+        use deltalake::protocol::{DeltaOperation, SaveMode};
+        let dir = tempfile::tempdir().unwrap();
+        let location = dir.path().join("facts").to_string_lossy().into_owned();
+        let storage = HashMap::new();
+        let mut winner = open_or_create(&location, &storage, TableKind::Facts, &crate::delta::facts::schema(), "test facts").await.unwrap();
+        let loser = open_existing(&location, &storage).await.unwrap().unwrap();
+        // The winner: a stream start under its own key.
+        let start = Txn::new("t#start", 0);
+        let done = append_claiming(&mut winner, vec![crate::delta::facts::to_batch(&[facts_row("t", "stream_start")])], &start, &[], json!({})).await.unwrap();
+        assert!(matches!(done, Claimed::Committed { .. }), "{done:?}");
+        // The loser read before it: a commit built on that state with the
+        // same key (as a seed's completion claims it) is refused by Delta.
+        let stale = loser.snapshot().unwrap();
+        let props = step_commit_properties(&Txn::new("t#events", 0), json!({})).with_application_transaction(Transaction::new("t#start", 0));
+        let refused = CommitBuilder::from(props)
+            .with_actions(vec![])
+            .build(Some(stale), loser.log_store(), DeltaOperation::Write { mode: SaveMode::Append, partition_by: None, predicate: None })
+            .await;
+        assert!(refused.is_err(), "a commit sharing a txn key with one that landed after its read must conflict");
+        // Through append_claiming, the loser finds the key taken and writes nothing.
+        let mut loser = loser;
+        let claimed = append_claiming(&mut loser, vec![crate::delta::facts::to_batch(&[facts_row("t", "bootstrap")])], &Txn::new("t#events", 0), &[start.clone()], json!({}))
+            .await
+            .unwrap();
+        assert_eq!(claimed, Claimed::Taken { claim: start, found: 0 });
+        assert_eq!(txn_version(&loser, "t#events").await.unwrap(), None, "the loser's own key is not recorded");
+        let rows = query(&loser, "SELECT event FROM t").await.unwrap();
+        assert_eq!(rows.iter().map(|b| b.num_rows()).sum::<usize>(), 1, "only the winner's row");
+        // A commit of another key, built on a stale state, lands.
+        let stale = loser.snapshot().unwrap().clone();
+        winner.update_state().await.unwrap();
+        append_claiming(&mut winner, vec![crate::delta::facts::to_batch(&[facts_row("t", "x")])], &Txn::new("t#facts", 0), &[], json!({})).await.unwrap();
+        let other = CommitBuilder::from(step_commit_properties(&Txn::new("u#facts", 0), json!({})))
+            .with_actions(vec![])
+            .build(Some(&stale), loser.log_store(), DeltaOperation::Write { mode: SaveMode::Append, partition_by: None, predicate: None })
+            .await;
+        assert!(other.is_ok(), "commits with no key in common do not conflict: {:?}", other.err());
+    }
+
+    /// The undo of a commit removes exactly its files, once: a second undo
+    /// finds none, and another commit's files stay.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn removing_a_commits_files_takes_only_its_own_and_is_idempotent() {
+        let dir = tempfile::tempdir().unwrap();
+        let location = dir.path().join("facts").to_string_lossy().into_owned();
+        let mut t = open_or_create(&location, &HashMap::new(), TableKind::Facts, &crate::delta::facts::schema(), "test facts").await.unwrap();
+        let keep = append_batches(&mut t, vec![crate::delta::facts::to_batch(&[facts_row("t", "keep")])], crate::delta::facts::schema(), &Txn::new("t#a", 0), json!({})).await.unwrap();
+        let Appended::Committed { table_version: gone } =
+            append_batches(&mut t, vec![crate::delta::facts::to_batch(&[facts_row("t", "gone"), facts_row("t", "gone")])], crate::delta::facts::schema(), &Txn::new("t#b", 0), json!({})).await.unwrap()
+        else {
+            panic!("no commit")
+        };
+        assert!(keep.committed());
+        assert_eq!(files_of_commit_held(&t, gone).await.unwrap().len(), 1);
+        assert_eq!(remove_files_of_commit(&mut t, gone, json!({"kind": "undo"})).await.unwrap(), 1);
+        assert_eq!(remove_files_of_commit(&mut t, gone, json!({"kind": "undo"})).await.unwrap(), 0, "a rerun removes nothing");
+        let mut events = Vec::new();
+        for b in query(&t, "SELECT event FROM t").await.unwrap() {
+            let b = plain_types(&b).unwrap();
+            let a = b.column(0).as_any().downcast_ref::<deltalake::arrow::array::StringArray>().unwrap();
+            events.extend((0..a.len()).map(|i| a.value(i).to_string()));
+        }
+        assert_eq!(events, vec!["keep".to_string()]);
+        // The txn the undone commit carried stays recorded: its key is spent.
+        assert_eq!(txn_version(&t, "t#b").await.unwrap(), Some(0));
     }
 }

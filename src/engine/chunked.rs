@@ -642,9 +642,16 @@ pub async fn ensure_open_with_gap(ctx: &mut Context, kind: &str, generation: i32
     let appended = append_facts_rows(&mut ctx.facts, &app, vec![row], &txn_open_facts(&app, generation)).await?;
     failpoint!("chunked.after_open");
     if let Appended::AlreadyApplied { .. } = appended {
-        // Another call opened this generation's snapshot meanwhile: use theirs.
+        // Another call opened this generation's snapshot meanwhile: use
+        // theirs. Or a seed completed the generation (its completion claims
+        // this key, `engine::seed`): the next call starts from the seed.
         let rows = state::facts_rows(&ctx.facts, &app).await?;
-        let o = chunked_of_generation(&rows).ok_or_else(|| StepError::Internal("the facts hold the open's txn but no open row".into()))?;
+        let Some(o) = chunked_of_generation(&rows) else {
+            return Err(StepError::Temporary(format!(
+                "generation {generation} was started another way meanwhile (a seed's completion holds the open's key {}#snapshots): call again",
+                app
+            )));
+        };
         return Ok(OpenResult { step: "snapshot", mode: "chunked", snapshot_lsn: o.s, generation, opened_now: false, completed: false });
     }
     tracing::info!(snapshot = %s, generation, keys = ?keys, "chunked snapshot opened: the stream starts at S now, backfill reads the table beside it");

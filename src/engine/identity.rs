@@ -93,6 +93,40 @@ pub async fn check_facts_belong(facts: &DeltaTable, wf: &Workflow) -> StepResult
     Ok(())
 }
 
+/// Refuses facts rows of the workflow's app id that were written for another
+/// stream (another source table or bronze table). [`check_facts_belong`]
+/// runs once, before a step writes; this runs on every load of the stream's
+/// state, so two workflows that share an app id and made their first
+/// commits at the same moment (both passing that first check on an empty
+/// facts table) are refused as soon as either reads the other's rows,
+/// before it decides anything from them.
+pub fn check_rows_belong(rows: &[crate::delta::facts::FactRow], wf: &Workflow) -> StepResult<()> {
+    let ours_table = wf.table_name().to_string();
+    let ours_target = LocationKey::of(&wf.target.bronze).map_err(StepError::Config)?;
+    let mut seen: std::collections::HashSet<(&str, &str)> = std::collections::HashSet::new();
+    for r in rows {
+        if !seen.insert((r.table.as_str(), r.target.as_str())) {
+            continue;
+        }
+        let same_target = LocationKey::of(&r.target).map(|k| k.relation(&ours_target) == Relation::Same).unwrap_or(false);
+        if !same_table_name(&r.table, &ours_table) || !same_target {
+            return Err(StepError::Config(format!(
+                "app_id '{}' names two streams in facts table {}: rows for table {} into bronze {}, and this workflow's, for \
+                 table {ours_table} into bronze {} (two workflows with one app id started at the same moment). Each stream \
+                 needs an app id of its own: change app_id in the workflow that should not own it, and delete its rows \
+                 from the facts (app_id = '{}' AND table = '<its table>')",
+                wf.app_id,
+                wf.target.facts,
+                r.table,
+                r.target,
+                wf.target.bronze,
+                wf.app_id
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// SQL Server resolves object names case-insensitively under the usual
 /// catalog collations, and so does the workflow's table lookup.
 fn same_table_name(a: &str, b: &str) -> bool {

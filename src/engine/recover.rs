@@ -178,7 +178,16 @@ pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_d
     if let Some(c) = match newest_full {
         Some(g) => snapshot::committed_full(ctx, g).await?,
         None => None,
-    } {
+    }
+    .filter(|c| {
+        // A reseed that lost the generation and removed its rows: nothing to
+        // reuse or record, but its key is spent, so a full re-snapshot takes
+        // the generation after it.
+        if c.undone && mode == SnapshotMode::Full {
+            target = c.generation + 1;
+        }
+        !c.undone
+    }) {
         let min = ctx.source.min_lsn(&ctx.instance.name).await?;
         let max = ctx.source.max_lsn().await?;
         if !snapshot::is_purged_after(c.s, min, max) {

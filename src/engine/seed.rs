@@ -49,7 +49,7 @@ use super::chunked::{Mode, Opened};
 use super::Context;
 use crate::delta::bronze::{self, SnapshotStamp};
 use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT};
-use crate::delta::{self, Appended, Txn};
+use crate::delta::{self, Appended, Claimed, Txn, Written};
 use crate::error::{StepError, StepResult};
 use crate::failpoint;
 use crate::lsn::Lsn;
@@ -306,7 +306,6 @@ pub async fn run(ctx: &mut Context, args: &SeedArgs) -> StepResult<SeedResult> {
     if !super::stream::repair(ctx, &st).await?.is_empty() {
         st = super::state::load(ctx).await?;
     }
-    let snapshots = whole_snapshots(ctx, &facts_rows).await?;
     let lsn = match &args.as_of {
         AsOf::Lsn(l) => Some(*l),
         AsOf::Time(t) => {
@@ -316,41 +315,10 @@ pub async fn run(ctx: &mut Context, args: &SeedArgs) -> StepResult<SeedResult> {
             l
         }
     };
-    let max_lsn = ctx.source.max_lsn().await?;
-    let min_lsn = ctx.source.min_lsn(&ctx.instance.name).await?;
-    let snapshot_txn_generation = delta::txn_version(&ctx.bronze, &format!("{}#snapshot", ctx.workflow.app_id)).await?.map(|v| v as i32);
-    let input = SeedInput {
-        copy: args.copy.clone(),
-        as_of: args.as_of.clone(),
-        lsn,
-        snapshots,
-        open_snapshot: super::chunked::snapshot_holding_mode(&facts_rows, min_lsn),
-        generation: st.generation,
-        snapshot_txn_generation,
-        position_without_snapshot: if st.snapshot.is_none() { st.position() } else { None },
-        min_lsn,
-        max_lsn,
-        reseed: args.reseed,
-    };
-    let decision = decide(&input);
-    let (lsn, generation) = match decision {
+    let input = seed_input(ctx, args, &facts_rows, &st, lsn).await?;
+    let (lsn, generation) = match decide(&input) {
         SeedDecision::Write { lsn, generation } => (lsn, generation),
-        SeedDecision::AlreadySeeded(s) => {
-            tracing::info!(lsn = %s.lsn, "the target already holds this seed: nothing to write");
-            return Ok(SeedResult {
-                step: "seed",
-                lsn: s.lsn,
-                commit_ts: s.commit_ts,
-                rows: s.rows.unwrap_or(0),
-                already_seeded: true,
-                generation: s.generation.unwrap_or(st.generation),
-                reseed: args.reseed,
-                copy_kind: None,
-                columns_dropped: vec![],
-                columns_null: vec![],
-                duration_ms: started.elapsed().as_millis() as i64,
-            });
-        }
+        SeedDecision::AlreadySeeded(s) => return Ok(already_seeded(&s, st.generation, args, started)),
         refused => return Err(refusal(ctx, &args.as_of, refused).await),
     };
     let commit_ts = ctx.commit_time(lsn).await?.ok_or_else(|| {
@@ -405,31 +373,56 @@ pub async fn run(ctx: &mut Context, args: &SeedArgs) -> StepResult<SeedResult> {
         "reseed": args.reseed,
         "capture_instance": ctx.instance.name,
     });
-    let counted_meta = counted.clone();
-    let appended = delta::append_idempotent_with(&mut ctx.bronze, rows_stream, bronze_schema, &snap_txn, move || {
-        let mut m = meta.clone();
-        m["rows"] = json!(counted_meta.load(std::sync::atomic::Ordering::Relaxed));
-        m
-    })
-    .await?;
-    let rows = counted.load(std::sync::atomic::Ordering::Relaxed);
-    let bronze_version = match appended {
-        Appended::Committed { table_version } => table_version,
-        Appended::Empty => {
+    let another_snapshot = || StepError::Temporary("another run committed a snapshot of this generation meanwhile: call seed again".into());
+    // The copy's rows go to data files first, uncommitted: the read can take
+    // hours, and what the first decision looked at may have changed since.
+    let adds = match delta::write_files(&mut ctx.bronze, rows_stream, bronze_schema, &snap_txn).await? {
+        Written::Files { adds, .. } => adds,
+        Written::Empty => {
             return Err(StepError::Config(format!(
                 "the copy {} holds no rows: nothing was written. Check the path; an empty table needs no seed (use snapshot.bootstrap)",
                 args.copy
             )))
         }
-        Appended::AlreadyApplied { .. } => {
-            return Err(StepError::Temporary("another run committed a snapshot of this generation meanwhile: call seed again".into()))
+        Written::AlreadyApplied { .. } => return Err(another_snapshot()),
+    };
+    let rows = counted.load(std::sync::atomic::Ordering::Relaxed);
+    failpoint!("seed.after_copy_read");
+    // Decided again on the target as it is now, before anything is
+    // committed: a stream that started, a snapshot opened or completed, a
+    // cleanup that passed L while the copy was read each refuse here, and the
+    // files written are orphans (VACUUM removes them). What lands between
+    // this decision and the completion is settled by the completion's claims.
+    ctx.facts.update_state().await.map_err(StepError::delta(&ctx.workflow.target.facts))?;
+    let facts_now = super::state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
+    let st_now = super::state::load(ctx).await?;
+    let again = seed_input(ctx, args, &facts_now, &st_now, Some(lsn)).await?;
+    match decide(&again) {
+        SeedDecision::Write { lsn: l, generation: g } if l == lsn && g == generation => {}
+        SeedDecision::AlreadySeeded(s) => return Ok(already_seeded(&s, st_now.generation, args, started)),
+        SeedDecision::Write { generation: g, .. } => {
+            return Err(StepError::Temporary(format!(
+                "the target moved from generation {generation} to {g} while the copy was read: call seed again"
+            )))
         }
+        refused => return Err(refusal(ctx, &args.as_of, refused).await),
+    }
+    let mut meta = meta;
+    meta["rows"] = json!(rows);
+    meta["copy"] = json!(args.copy);
+    meta["as_of"] = json!(as_of_text(&args.as_of));
+    let bronze_version = match delta::commit_adds(&mut ctx.bronze, adds, &snap_txn, meta).await? {
+        Appended::Committed { table_version } => table_version,
+        Appended::AlreadyApplied { .. } => return Err(another_snapshot()),
+        Appended::Empty => return Err(StepError::Internal("a commit of data files reported no rows".into())),
     };
     failpoint!("seed.after_bronze");
     let duration_ms = started.elapsed().as_millis() as i64;
     let detail = json!({"mode": "seed", "reseed": args.reseed, "copy": args.copy, "copy_kind": copy.kind, "as_of": as_of_text(&args.as_of),
                         "columns_dropped": plan.dropped, "columns_null": plan.missing});
-    write_completion(ctx, generation, lsn, rows, Some(commit_ts), Some(bronze_version), Some(duration_ms), detail).await?;
+    if let Some(err) = complete_or_undo(ctx, generation, lsn, rows, Some(commit_ts), bronze_version, Some(duration_ms), detail).await? {
+        return Err(err);
+    }
     tracing::info!(lsn = %lsn, rows, duration_ms, generation, "seed complete");
     Ok(SeedResult {
         step: "seed",
@@ -444,6 +437,93 @@ pub async fn run(ctx: &mut Context, args: &SeedArgs) -> StepResult<SeedResult> {
         columns_null: plan.missing,
         duration_ms,
     })
+}
+
+/// What [`decide`] looks at, read from the target and the source now. `lsn`
+/// is L as the caller mapped it (a second decision keeps the first one's L).
+async fn seed_input(ctx: &Context, args: &SeedArgs, facts_rows: &[FactRow], st: &super::state::StreamState, lsn: Option<Lsn>) -> StepResult<SeedInput> {
+    let snapshots = whole_snapshots(ctx, facts_rows).await?;
+    let max_lsn = ctx.source.max_lsn().await?;
+    let min_lsn = ctx.source.min_lsn(&ctx.instance.name).await?;
+    let snapshot_txn_generation = delta::txn_version(&ctx.bronze, &format!("{}#snapshot", ctx.workflow.app_id)).await?.map(|v| v as i32);
+    Ok(SeedInput {
+        copy: args.copy.clone(),
+        as_of: args.as_of.clone(),
+        lsn,
+        snapshots,
+        open_snapshot: super::chunked::snapshot_holding_mode(facts_rows, min_lsn),
+        generation: st.generation,
+        snapshot_txn_generation,
+        position_without_snapshot: if st.snapshot.is_none() { st.position() } else { None },
+        min_lsn,
+        max_lsn,
+        reseed: args.reseed,
+    })
+}
+
+/// The result of a seed the target already holds (nothing written).
+fn already_seeded(s: &WholeSnapshot, generation: i32, args: &SeedArgs, started: Instant) -> SeedResult {
+    tracing::info!(lsn = %s.lsn, "the target already holds this seed: nothing to write");
+    SeedResult {
+        step: "seed",
+        lsn: s.lsn,
+        commit_ts: s.commit_ts,
+        rows: s.rows.unwrap_or(0),
+        already_seeded: true,
+        generation: s.generation.unwrap_or(generation),
+        reseed: args.reseed,
+        copy_kind: None,
+        columns_dropped: vec![],
+        columns_null: vec![],
+        duration_ms: started.elapsed().as_millis() as i64,
+    }
+}
+
+/// Writes the completion of the seed whose rows bronze commit
+/// `bronze_version` holds; when a commit of another kind took the
+/// generation first (its completion's claims, [`completion_claims`]),
+/// removes those rows again and returns the refusal a new decision gives
+/// (None: the seed is complete, by this call or a concurrent one).
+#[allow(clippy::too_many_arguments)]
+async fn complete_or_undo(
+    ctx: &mut Context,
+    generation: i32,
+    lsn: Lsn,
+    rows: i64,
+    commit_ts: Option<DateTime<Utc>>,
+    bronze_version: i64,
+    duration_ms: Option<i64>,
+    detail: Value,
+) -> StepResult<Option<StepError>> {
+    let Claimed::Taken { claim, .. } = write_completion(ctx, generation, lsn, rows, commit_ts, Some(bronze_version), duration_ms, detail).await? else {
+        return Ok(None);
+    };
+    failpoint!("seed.before_undo");
+    tracing::warn!(generation, claim = %claim.app_id, lsn = %lsn, "another step started this generation while the seed was written: removing the seed's rows from bronze");
+    let removed = delta::remove_files_of_commit(
+        &mut ctx.bronze,
+        bronze_version,
+        json!({"kind": "seed_undone", "generation": generation, "lsn": lsn, "bronze_version": bronze_version, "taken_by": claim.app_id}),
+    )
+    .await?;
+    tracing::info!(files = removed, bronze_version, "the seed's rows are removed from bronze");
+    Ok(Some(StepError::Config(format!(
+        "generation {generation} was started by another step ({}) while this seed was written, so the seed at {lsn} was not          recorded and its rows were removed from bronze again. Run `status` to see how the stream started; to replace it          with this copy, run seed --reseed with a copy taken after that start",
+        claim.app_id
+    ))))
+}
+
+/// The txn keys a seed's completion of `generation` claims besides its own
+/// (`<app>#events`): those of the commits that start the same generation
+/// another way, a stream start without a snapshot (`<gen app>#start`) and a
+/// chunked snapshot's open (`<app>#snapshots`). With them in one commit,
+/// only one of the three can land for a generation, and a stream or an open
+/// that loses finds its own key applied and reads the seed's state instead.
+fn completion_claims(app_id: &str, generation: i32) -> Vec<Txn> {
+    vec![
+        Txn::new(format!("{}#start", super::generation_app_id(app_id, generation)), 0),
+        Txn::new(format!("{app_id}#snapshots"), generation as i64),
+    ]
 }
 
 fn as_of_text(a: &AsOf) -> String {
@@ -588,12 +668,39 @@ async fn finish_interrupted_seed(ctx: &mut Context, facts_rows: &[FactRow]) -> S
     let lsn = meta.get("snapshot_lsn").and_then(Value::as_str).and_then(|s| Lsn::parse(s).ok()).ok_or_else(|| {
         StepError::Internal(format!("bronze commit {bronze_version} is a seed without its LSN in the metadata"))
     })?;
+    // A seed that lost its generation to another step removed its rows (or
+    // was cut before it could): nothing of it is left to complete.
+    if delta::files_of_commit_held(&ctx.bronze, bronze_version).await?.is_empty() {
+        return Ok(false);
+    }
     let rows = meta.get("rows").and_then(Value::as_i64).unwrap_or(0);
-    let commit_ts = meta.get("commit_ts").and_then(Value::as_str).and_then(|t| DateTime::parse_from_rfc3339(t).ok()).map(|t| t.with_timezone(&Utc));
     tracing::warn!(lsn = %lsn, generation, "bronze holds a seed without its facts row (a crash between the two commits): writing it now");
-    let detail = json!({"mode": "seed", "repaired": true, "reseed": meta.get("reseed")});
-    write_completion(ctx, generation, lsn, rows, commit_ts, Some(bronze_version), None, detail).await?;
-    Ok(true)
+    match complete_from_commit(ctx, generation, lsn, rows, bronze_version, &meta).await? {
+        None => Ok(true),
+        // The rows are removed; the decision that follows refuses with what holds the generation.
+        Some(e) => {
+            tracing::warn!(error = %e, "the interrupted seed lost its generation");
+            Ok(true)
+        }
+    }
+}
+
+/// Completes a seed from its bronze commit (version `bronze_version`,
+/// metadata `meta`) for a step that finds it without its completion row: the
+/// seed's rerun, or a stream's bootstrap whose snapshot key the seed holds.
+/// Some(error) when another step had taken the generation (the rows are
+/// removed again).
+pub(crate) async fn complete_from_commit(ctx: &mut Context, generation: i32, lsn: Lsn, rows: i64, bronze_version: i64, meta: &Value) -> StepResult<Option<StepError>> {
+    let commit_ts = meta.get("commit_ts").and_then(Value::as_str).and_then(|t| DateTime::parse_from_rfc3339(t).ok()).map(|t| t.with_timezone(&Utc));
+    complete_or_undo(ctx, generation, lsn, rows, commit_ts, bronze_version, None, seed_completion_detail(meta)).await
+}
+
+/// The detail of a seed's completion written from its bronze commit's
+/// metadata (by the seed's rerun, or by a stream's bootstrap that finds the
+/// seed's commit without its row): it names the copy and `--as-of` as the
+/// seed's own row does, so a rerun of the seed finds itself by them.
+pub fn seed_completion_detail(meta: &Value) -> Value {
+    json!({"mode": "seed", "repaired": true, "reseed": meta.get("reseed"), "copy": meta.get("copy"), "as_of": meta.get("as_of")})
 }
 
 /// Writes the seed's completion row: `bootstrap` for generation 0 (the
@@ -609,7 +716,7 @@ async fn write_completion(
     bronze_version: Option<i64>,
     duration_ms: Option<i64>,
     detail: Value,
-) -> StepResult<()> {
+) -> StepResult<Claimed> {
     let row = FactRow {
         app_id: ctx.workflow.app_id.clone(),
         table: ctx.workflow.table_name().to_string(),
@@ -628,8 +735,9 @@ async fn write_completion(
         ..Default::default()
     };
     let txn = Txn::new(format!("{}#events", ctx.workflow.app_id), generation as i64);
-    super::stream::append_facts(ctx, vec![row], &txn).await?;
-    Ok(())
+    let meta = json!({"facts": crate::delta::facts::summary(std::slice::from_ref(&row)), "app_id": ctx.workflow.app_id});
+    let claims = completion_claims(&ctx.workflow.app_id, generation);
+    delta::append_claiming(&mut ctx.facts, vec![crate::delta::facts::to_batch(&[row])], &txn, &claims, meta).await
 }
 
 #[cfg(test)]

@@ -178,6 +178,13 @@ pub struct CommittedFull {
     pub rows: i64,
     /// A heap's read fence, as the commit recorded it.
     pub fence: Option<DateTime<Utc>>,
+    /// The commit's metadata when a seed made it (`seed` wrote the copy's
+    /// rows under the same key): its completion is the seed's, naming the copy.
+    pub seed_meta: Option<Value>,
+    /// A seed's commit whose rows the seed removed again, because another
+    /// step took the generation first (`engine::seed`): nothing to complete,
+    /// and the generation's key stays spent, as a dead re-snapshot's does.
+    pub undone: bool,
 }
 
 /// The full snapshot bronze holds for generation `generation` (txn
@@ -204,7 +211,9 @@ pub async fn committed_full(ctx: &Context, generation: i32) -> StepResult<Option
     })?;
     let rows = meta.get("rows").and_then(Value::as_i64).unwrap_or(0);
     let fence = meta.get("fence").and_then(|f| serde_json::from_value::<DateTime<Utc>>(f.clone()).ok());
-    Ok(Some(CommittedFull { generation, bronze_version: version, s, rows, fence }))
+    let seed_meta = (meta.get("kind").and_then(Value::as_str) == Some("seed")).then(|| meta.clone());
+    let undone = seed_meta.is_some() && delta::files_of_commit_held(&ctx.bronze, version).await?.is_empty();
+    Ok(Some(CommittedFull { generation, bronze_version: version, s, rows, fence, seed_meta, undone }))
 }
 
 /// The newest generation bronze holds a full snapshot commit for
@@ -221,12 +230,29 @@ pub async fn newest_full_generation(ctx: &Context) -> StepResult<Option<i32>> {
 /// never completed.
 pub async fn finish_committed(ctx: &mut Context, generation: i32, kind: &str, gap: Option<Gap>) -> StepResult<Option<SnapshotResult>> {
     let Some(c) = committed_full(ctx, generation).await? else { return Ok(None) };
+    if c.undone {
+        return Err(StepError::NeedsPerson(format!(
+            "generation {generation}'s snapshot key (txn {}#snapshot) is held by a seed whose rows were removed again because \
+             another step started the generation first; this call asks for a full snapshot of that generation, which can no \
+             longer be written. Restore the workflow's snapshot settings the other step ran with, or start a new generation \
+             with seed --reseed",
+            ctx.workflow.app_id
+        )));
+    }
     complete_committed(ctx, &c, kind, gap).await.map(Some)
 }
 
 /// Writes the completion row of a committed full snapshot (see [`finish_committed`]).
 pub async fn complete_committed(ctx: &mut Context, c: &CommittedFull, kind: &str, gap: Option<Gap>) -> StepResult<SnapshotResult> {
     tracing::warn!(snapshot = %c.s, generation = c.generation, "bronze holds a full snapshot without its completion row (a crash between the two): writing it now");
+    if let Some(meta) = &c.seed_meta {
+        // A seed's rows (its call cut, or still running, between its two
+        // commits): completed as the seed's, so a rerun of it finds itself.
+        if let Some(e) = super::seed::complete_from_commit(ctx, c.generation, c.s, c.rows, c.bronze_version, meta).await? {
+            return Err(e);
+        }
+        return Ok(SnapshotResult { step: "snapshot", snapshot_lsn: c.s, rows: c.rows, already_done: true, ranges: 0, duration_ms: 0 });
+    }
     write_completion(ctx, c.generation, kind, c.s, c.rows, Some(c.bronze_version), None, gap, c.fence).await?;
     Ok(SnapshotResult { step: "snapshot", snapshot_lsn: c.s, rows: c.rows, already_done: true, ranges: 0, duration_ms: 0 })
 }

@@ -157,6 +157,7 @@ pub async fn load(ctx: &mut super::Context) -> StepResult<StreamState> {
     crate::failpoint!("state.between_facts_and_bronze");
     ctx.bronze.update_state().await.map_err(crate::error::StepError::delta(&ctx.workflow.target.bronze))?;
     let rows = facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
+    super::identity::check_rows_belong(&rows, &ctx.workflow)?;
     let generation = generation_of(&rows);
     let gen_app = super::generation_app_id(&ctx.workflow.app_id, generation);
     let bronze_batch = delta::txn_version(&ctx.bronze, &gen_app).await?;

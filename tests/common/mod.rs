@@ -2,6 +2,7 @@
 //! seed, a small table, and the steps run in process.
 #![allow(dead_code)]
 
+pub mod gate;
 pub mod model;
 
 use std::collections::BTreeMap;
