@@ -2,12 +2,10 @@
 //! durable workflow of idempotent steps. See docs/ARCHITECTURE.md for the map.
 
 pub mod bench;
-pub mod bench_apply;
 pub mod cli;
+pub mod connect;
 pub mod delta;
 pub mod demo;
-pub mod demo_loss;
-pub mod demo_seed;
 pub mod engine;
 pub mod error;
 pub mod lsn;

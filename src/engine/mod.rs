@@ -140,7 +140,7 @@ impl Context {
     async fn open_with(workflow: Workflow, access: Access) -> StepResult<Context> {
         let storage = workflow.storage_options()?;
         let secrets = read_secrets(&workflow)?;
-        let source = crate::source::open(&workflow.source.url, secrets).await?;
+        let source = crate::connect::open_source(&workflow.source.url, secrets).await?;
         let table_name = workflow.table_name();
         let table = source.table_info(&table_name).await?;
         let instances = source.capture_instances(&table_name).await?;

@@ -1,9 +1,11 @@
 //! The source protocol: every read this program makes of SQL Server.
 //!
-//! One trait, [`CdcSource`], with two implementations: [`crate::sim`] (an
-//! embedded SQL Server CDC simulator, `sim://PATH`) and [`crate::mssql`] (a real
+//! One trait, [`CdcSource`], with two implementations: `crate::sim` (an
+//! embedded SQL Server CDC simulator, `sim://PATH`) and `crate::mssql` (a real
 //! server over tiberius, `mssql://…`). Steps only ever talk to the trait, so
 //! every scenario the tests run on the simulator runs unchanged on a server.
+//! This module names neither implementation: both import it, and the URL
+//! that picks one is resolved above them (`crate::connect`).
 //!
 //! Architecture invariant: nothing here writes to the source. The stream and
 //! the snapshots read the change tables, the mapping table and the source
@@ -705,15 +707,3 @@ impl fmt::Debug for SourceSecrets {
     }
 }
 
-/// Opens the source a workflow's URL names: `sim://PATH` (as the database
-/// owner, or `sim://PATH?user=NAME` as that database user) or `mssql://…`
-/// (or an ADO string).
-pub async fn open(url: &str, secrets: SourceSecrets) -> Result<SharedSource, SourceError> {
-    if url.starts_with("sim://") {
-        return Ok(Arc::new(crate::sim::SimSource::from_url(url)?));
-    }
-    if url.starts_with("mssql://") || url.contains('=') {
-        return Ok(Arc::new(crate::mssql::MssqlSource::connect(url, secrets).await?));
-    }
-    Err(SourceError::Config(format!("'{url}' is not a source URL: use sim://PATH or mssql://USER@HOST:PORT/DATABASE")))
-}

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::demo::{DemoArgs, Harness};
+use super::{DemoArgs, Harness};
 use crate::engine::seed::{AsOf, SeedArgs};
 use crate::engine::{self, Context};
 use crate::error::{StepError, StepResult};

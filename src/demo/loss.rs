@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::demo::{DemoArgs, Harness};
+use super::{DemoArgs, Harness};
 use crate::engine::{self, chunked::BackfillArgs, Context};
 use crate::error::{StepError, StepResult};
 use crate::sim::{Clock, SimConfig};

@@ -11,6 +11,8 @@
 //! therefore about the engine's overheads (chunking, planning, waves,
 //! commits), not about SQLite's speed.
 
+pub mod apply;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -28,7 +30,7 @@ pub enum BenchCommand {
     /// Full vs chunked snapshot of one table over rate-limited connections.
     Snapshot(SnapshotBenchArgs),
     /// `apply` of a batch of changes into a large silver, `reconcile` of it, and a bare append of the same rows.
-    Apply(crate::bench_apply::ApplyBenchArgs),
+    Apply(apply::ApplyBenchArgs),
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -66,7 +68,7 @@ pub async fn run(cmd: BenchCommand) -> StepResult<Value> {
             Some(mode) => child(&a, &mode).await,
             None => parent(&a).await,
         },
-        BenchCommand::Apply(a) => crate::bench_apply::run(&a).await,
+        BenchCommand::Apply(a) => apply::run(&a).await,
     }
 }
 

@@ -7,6 +7,9 @@
 //! The last stdout line is the scenario's JSON; the command exits 0 only
 //! when `differences` (what reconcile found besides IN_FLIGHT) is 0.
 
+pub mod loss;
+pub mod seed;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -301,9 +304,9 @@ pub async fn run(args: DemoArgs) -> StepResult<(Value, bool)> {
     match args.scenario {
         DemoScenario::Full => full(args).await,
         DemoScenario::Chunked => chunked(args).await,
-        DemoScenario::Seed => crate::demo_seed::run(args).await,
-        DemoScenario::DataLoss => crate::demo_loss::run(args, false).await,
-        DemoScenario::DataLossChunked => crate::demo_loss::run(args, true).await,
+        DemoScenario::Seed => seed::run(args).await,
+        DemoScenario::DataLoss => loss::run(args, false).await,
+        DemoScenario::DataLossChunked => loss::run(args, true).await,
     }
 }
 

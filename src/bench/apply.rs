@@ -15,7 +15,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
-use crate::bench::peak_rss_bytes;
+use super::peak_rss_bytes;
 use crate::delta::{self, bronze, Txn};
 use crate::engine::{self, Context};
 use crate::error::{StepError, StepResult};
