@@ -49,12 +49,18 @@
 //! `orders` demo table; [`cli`] is the `mssql-cdc sim ...` subcommand.
 
 pub mod bounds;
+mod capture;
 pub mod collation;
 pub mod cli;
+mod config;
 pub mod db;
 pub mod keys;
+mod meta;
 pub mod security;
 pub mod source;
+mod store;
+mod tx;
+mod values;
 pub mod workload;
 
 pub use cli::{run, SimCommand};
