@@ -93,7 +93,31 @@ pub enum Command {
         /// Run every call in process (no child processes killed with SIGKILL).
         #[arg(long)]
         no_kill: bool,
+        /// Run the end checks again on a kept schedule's folder (a failed
+        /// one keeps its files) and exit: 0 when they hold.
+        #[arg(long, value_name = "DIR", conflicts_with_all = ["seed", "schedules"])]
+        recheck: Option<PathBuf>,
     },
+    /// Run one transition of the state machine (or whichever is next) and print
+    /// the state before and after it: next, start, open, plan, wave, complete,
+    /// commit, recover, resnapshot or repair. One not allowed now exits 2.
+    Step {
+        #[arg(default_value = "next")]
+        transition: String,
+    },
+    /// Print the workflow's state machine (its states and transitions, from
+    /// the code's own table) as a diagram; needs no workflow.
+    Machine {
+        #[arg(long, value_enum, default_value_t = DiagramFormat::Mermaid)]
+        format: DiagramFormat,
+    },
+}
+
+/// The diagram formats of `machine`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DiagramFormat {
+    Mermaid,
+    Dot,
 }
 
 /// Flags of `backfill` (each overrides the workflow's value for this call).
@@ -328,7 +352,41 @@ pub async fn run(cli: Cli) -> Result<(Value, i32), StepError> {
             Ok((v, EXIT_OK))
         }
         Command::Bench(cmd) => Ok((crate::bench::run(cmd).await?, EXIT_OK)),
-        Command::Torture { seed, schedules, events, dir, no_kill } => {
+        Command::Step { transition } => {
+            // The name is checked before the workflow's targets are opened.
+            let wanted = crate::engine::step::parse(&transition)?;
+            let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;
+            Ok((crate::engine::step::run(&mut ctx, wanted).await?, EXIT_OK))
+        }
+        Command::Machine { format } => {
+            use crate::engine::machine;
+            let diagram = match format {
+                DiagramFormat::Mermaid => machine::mermaid(),
+                DiagramFormat::Dot => machine::dot(),
+            };
+            // The diagram, then the JSON line every command ends with.
+            print!("{diagram}");
+            let value = json!({
+                "step": "machine",
+                "format": if format == DiagramFormat::Mermaid { "mermaid" } else { "dot" },
+                "states": machine::State::ALL.iter().map(|s| s.name()).collect::<Vec<_>>(),
+                "transitions": machine::Transition::ALL.iter().map(|t| t.name()).collect::<Vec<_>>(),
+                "edges": machine::EDGES.len(),
+            });
+            Ok((value, EXIT_OK))
+        }
+        Command::Torture { recheck: Some(folder), .. } => {
+            let f = folder.clone();
+            // The checks run on a runtime of their own, outside this one.
+            let outcome = tokio::task::spawn_blocking(move || std::thread::spawn(move || crate::torture::recheck(&f)).join())
+                .await
+                .map_err(|e| StepError::Internal(format!("torture recheck: {e}")))?
+                .map_err(|_| StepError::Internal("the torture recheck panicked".into()))?;
+            let ok = outcome.is_ok();
+            let value = json!({"step": "torture", "recheck": folder, "ok": ok, "error": outcome.err()});
+            Ok((value, if ok { EXIT_OK } else { EXIT_BUG }))
+        }
+        Command::Torture { seed, schedules, events, dir, no_kill, recheck: None } => {
             let binary = if no_kill { None } else { std::env::current_exe().ok() };
             let args = crate::torture::TortureArgs { seed, schedules, events, binary, dir };
             // Each call of a schedule runs on a runtime of its own (a crash

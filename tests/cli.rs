@@ -233,3 +233,24 @@ fn a_refusal_names_the_workflow_file_in_the_command_it_advises() {
     assert!(msg.contains(&format!("mssql-cdc --workflow {wf} snapshot")), "the advice names this workflow file: {msg}");
     assert!(!msg.contains("--workflow FILE"), "{msg}");
 }
+
+/// `machine` prints the state machine's diagram from the code's own table,
+/// in either format, and ends with the JSON line; it needs no workflow.
+#[test]
+fn machine_prints_the_diagram_of_the_codes_transition_table() {
+    let out = run(&["machine", "--format", "mermaid"]);
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(text.starts_with("stateDiagram-v2\n    [*] --> NotStarted\n"), "{text}");
+    let j = last_json(&out);
+    assert_eq!(j["step"], "machine");
+    let edges = j["edges"].as_u64().unwrap() as usize;
+    assert_eq!(text.lines().filter(|l| l.contains(" --> ") && !l.contains("[*]")).count(), edges, "one line per edge");
+    for t in ["open", "plan", "wave", "complete", "commit", "recover", "resnapshot", "repair", "start", "idle"] {
+        assert!(text.contains(&format!(": {t}\n")), "the diagram has a '{t}' edge: {text}");
+    }
+    let dot = run(&["machine", "--format", "dot"]);
+    let text = String::from_utf8_lossy(&dot.stdout).into_owned();
+    assert!(text.starts_with("digraph machine {") && text.contains("ChunkedOpened -> ChunkedPlanned [label=\"plan\"];"), "{text}");
+    assert_eq!(last_json(&dot)["edges"].as_u64().unwrap() as usize, edges);
+}

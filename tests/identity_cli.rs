@@ -214,12 +214,17 @@ fn status_writes_nothing_on_a_new_stream_and_reads_a_started_one() {
     assert_eq!(j["step"], "status");
     assert_eq!(j["position"], serde_json::Value::Null, "{j}");
     assert_eq!(j["generation"], 0);
+    // The state machine's view: not started, and the stream's bootstrap opens a snapshot.
+    assert_eq!(j["machine"]["state"], "not_started", "{j}");
+    assert_eq!(j["machine"]["next"]["stream"]["transition"], "open", "{j}");
     assert_eq!(listing(s.path()), before, "status must create nothing");
     assert!(!s.path().join("bronze").exists() && !s.path().join("facts").exists());
     expect_ok(&s.wf_path, "stream");
     let j = expect_ok(&s.wf_path, "status");
     assert!(j["position"].is_string(), "{j}");
     assert!(j["snapshot"].is_string(), "{j}");
+    assert_eq!(j["machine"]["state"], "streaming", "{j}");
+    assert_eq!(j["machine"]["next"]["backfill"]["transition"], "idle", "{j}");
     // The stream status read goes on through changes, status between its calls.
     s.changes(8);
     s.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();

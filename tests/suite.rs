@@ -20,6 +20,8 @@ mod heap_silver;
 mod identity_cli;
 #[path = "lock_wait.rs"]
 mod lock_wait;
+#[path = "machine.rs"]
+mod machine;
 #[path = "mssql_integration.rs"]
 mod mssql_integration;
 #[path = "permissions.rs"]

@@ -12,6 +12,7 @@ pub mod apply;
 pub mod change_order;
 pub mod chunked;
 pub mod identity;
+pub mod machine;
 pub mod plan;
 pub mod rebuild;
 pub mod reconcile;
@@ -20,6 +21,7 @@ pub mod seed;
 pub mod snapshot;
 pub mod state;
 pub mod status;
+pub mod step;
 pub mod stream;
 pub mod switch;
 

@@ -40,6 +40,25 @@ pub async fn run(ctx: &mut Context) -> StepResult<Value> {
         _ => None,
     };
     let purged = matches!((position, min, max), (Some(p), Some(m), Some(x)) if x > p && p.increment() < m);
+    // The state machine's view (`engine::machine`): the state, and the
+    // transition each lane (`stream`, `backfill`) would run next.
+    let rows = super::state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
+    let state = super::machine::MachineState::from_stream_state(&st, &rows, min);
+    let inputs = super::machine::Inputs {
+        min_lsn: min,
+        max_lsn: max,
+        bootstrap: ctx.workflow.snapshot.bootstrap,
+        mode: ctx.workflow.snapshot.mode,
+        on_data_loss: ctx.workflow.stream.on_data_loss,
+    };
+    let machine = json!({
+        "state": state.label(),
+        "detail": state,
+        "next": {
+            "stream": super::machine::next(&state, &inputs, super::machine::Lane::Stream),
+            "backfill": super::machine::next(&state, &inputs, super::machine::Lane::Snapshot),
+        },
+    });
     Ok(json!({
         "step": "status",
         "app_id": ctx.workflow.app_id,
@@ -62,5 +81,6 @@ pub async fn run(ctx: &mut Context) -> StepResult<Value> {
             "recorded_at": b.recorded_at, "headroom_seconds": b.headroom_seconds,
         })),
         "batch_to_repair": st.batch_to_repair(),
+        "machine": machine,
     }))
 }
