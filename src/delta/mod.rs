@@ -620,27 +620,45 @@ pub async fn commit_no_rows(table: &mut DeltaTable, txn: &Txn, metadata: Value) 
 /// With no files the commit holds the txn and the metadata only (see
 /// [`commit_no_rows`]): the txn is recorded all the same.
 pub async fn commit_adds(table: &mut DeltaTable, adds: Vec<deltalake::kernel::Add>, txn: &Txn, metadata: Value) -> StepResult<Appended> {
-    use deltalake::kernel::transaction::CommitBuilder;
-    use deltalake::protocol::{DeltaOperation, SaveMode};
     let label = table.table_url().to_string();
     table.update_state().await.map_err(StepError::delta(&label))?;
     if let Some(found) = applied(table, txn).await? {
         return Ok(Appended::AlreadyApplied { found });
     }
     let props = step_commit_properties(txn, metadata);
+    match append_adds(table, adds, props, &label).await? {
+        Ok(v) => {
+            Ok(Appended::Committed { table_version: v })
+        }
+        Err(e) => applied_after_failure(table, txn, &label, e).await,
+    }
+}
+
+/// Commits `adds` as one append with `props` on the table's loaded state
+/// and reloads it: the commit's version, or the commit's own failure (the
+/// caller decides what a refused commit means). Errors reading the state
+/// are the outer ones.
+async fn append_adds(
+    table: &mut DeltaTable,
+    adds: Vec<deltalake::kernel::Add>,
+    props: CommitProperties,
+    label: &str,
+) -> StepResult<Result<i64, deltalake::DeltaTableError>> {
+    use deltalake::kernel::transaction::CommitBuilder;
+    use deltalake::protocol::{DeltaOperation, SaveMode};
     let actions: Vec<deltalake::kernel::Action> = adds.into_iter().map(deltalake::kernel::Action::Add).collect();
     let operation = DeltaOperation::Write { mode: SaveMode::Append, partition_by: None, predicate: None };
     let result = {
-        let snapshot = table.snapshot().map_err(StepError::delta(&label))?;
+        let snapshot = table.snapshot().map_err(StepError::delta(label))?;
         CommitBuilder::from(props).with_actions(actions).build(Some(snapshot), table.log_store(), operation).await
     };
     match result {
         Ok(done) => {
-            let v = done.version();
-            table.update_state().await.map_err(StepError::delta(&label))?;
-            Ok(Appended::Committed { table_version: v as i64 })
+            let v = done.version() as i64;
+            table.update_state().await.map_err(StepError::delta(label))?;
+            Ok(Ok(v))
         }
-        Err(e) => applied_after_failure(table, txn, &label, e).await,
+        Err(e) => Ok(Err(e)),
     }
 }
 
@@ -666,8 +684,6 @@ pub enum Claimed {
 /// ids), so of the commits that share a key exactly one lands, whichever
 /// runs first, and the loser finds the key taken when it reads again.
 pub async fn append_claiming(table: &mut DeltaTable, batches: Vec<RecordBatch>, txn: &Txn, claims: &[Txn], metadata: Value) -> StepResult<Claimed> {
-    use deltalake::kernel::transaction::CommitBuilder;
-    use deltalake::protocol::{DeltaOperation, SaveMode};
     let label = table.table_url().to_string();
     if table.snapshot().is_err() {
         table.update_state().await.map_err(StepError::delta(&label))?;
@@ -687,17 +703,9 @@ pub async fn append_claiming(table: &mut DeltaTable, batches: Vec<RecordBatch>, 
     for c in claims {
         props = props.with_application_transaction(Transaction::new(&c.app_id, c.version));
     }
-    let actions: Vec<deltalake::kernel::Action> = adds.into_iter().map(deltalake::kernel::Action::Add).collect();
-    let operation = DeltaOperation::Write { mode: SaveMode::Append, partition_by: None, predicate: None };
-    let result = {
-        let snapshot = table.snapshot().map_err(StepError::delta(&label))?;
-        CommitBuilder::from(props).with_actions(actions).build(Some(snapshot), table.log_store(), operation).await
-    };
-    match result {
-        Ok(done) => {
-            let v = done.version();
-            table.update_state().await.map_err(StepError::delta(&label))?;
-            Ok(Claimed::Committed { table_version: v as i64 })
+    match append_adds(table, adds, props, &label).await? {
+        Ok(v) => {
+            Ok(Claimed::Committed { table_version: v })
         }
         Err(e) => {
             table.update_state().await.map_err(StepError::delta(&label))?;
