@@ -553,6 +553,50 @@ fn a_wave_landing_between_applys_facts_and_plans_reads_is_taken_by_the_next_appl
     assert_each_chunk_once(&rt, &s, snap);
 }
 
+/// A capture-instance switch while `apply` runs: the held apply has picked
+/// the instance the stream was on (and silver's columns from it) when the
+/// stream switches to a newer instance that adds a column and commits the
+/// batch whose rows carry it. The apply must not merge those rows with the
+/// older instance's columns (silver would hold the new column NULL for
+/// them, and the next apply, finding nothing new, would never mend it):
+/// silver equals the table, every column, once the calls end.
+#[test]
+fn a_capture_instance_switch_during_apply_keeps_the_added_column() {
+    let (_fp, rt) = failpoints_and_runtime();
+    let s = Scenario::new(20, "silver = \"silver\"\n[snapshot]\nbootstrap = true\nmode = \"full\"\n[stream]\nmax_batch_rows = 1000\n");
+    rt.block_on(s.stream_until_caught_up());
+    rt.block_on(apply_at(s.wf_path.clone())).unwrap();
+
+    let gate = Gate::hold("apply.before_state", 1);
+    let mut held = start_held(&gate, &s.wf_path, apply_at);
+    let note = mssql_cdc::types::ColumnDesc::new("note", mssql_cdc::types::SqlType::NVarChar { len: Some(20) }, true);
+    s.db.add_column(&s.table, note.clone()).unwrap();
+    s.db.enable_cdc(&s.table, Some("dbo_items_v2"), None).unwrap();
+    let table = s.table.clone();
+    s.db.transaction(|tx| {
+        let mut r = common::item_row(3, 1);
+        r.push(SqlValue::Str("n3".into()));
+        tx.update(&table, &vec![SqlValue::Int(3)], r)?;
+        let mut r = common::item_row(21, 0);
+        r.push(SqlValue::Str("n21".into()));
+        tx.insert(&table, r)
+    })
+    .unwrap();
+    common::settle(&s.db);
+    rt.block_on(s.stream_until_caught_up());
+    let facts = facts_rows(&rt, &s);
+    assert_eq!(events(&facts, "capture_instance_switched").len(), 1, "the stream switched while apply was held");
+    gate.open();
+    held.join().unwrap();
+    rt.block_on(apply_at(s.wf_path.clone())).unwrap();
+
+    let mut columns = common::items_spec(&s.table).columns;
+    columns.push(note);
+    let silver = silver_rows(&rt, &s, &columns);
+    assert_eq!(silver, rt.block_on(source_rows(&s.db, &s.table, &columns)), "silver equals the table, the added column too");
+    assert!(silver.keys().any(|r| r.contains("n3")) && silver.keys().any(|r| r.contains("n21")), "{silver:?}");
+}
+
 /// 18.26: two stream calls recover the same loss at once, without a lock.
 /// The first is held after its facts read found no recovery row, before it
 /// writes one; the second recovers all the way (recovery row, full

@@ -121,7 +121,7 @@ fn forced_capture_instance_switch_is_followed() {
 fn forced_snapshot_on_switch_is_read_beside_the_stream() {
     // adr-0028 Amendment 5: the switch opens a chunked snapshot at the newer
     // instance's start; backfill reads it while the stream goes on.
-    for (shape, seeds) in [("int_key", 8_800_000..8_800_010), ("string_key", 8_810_000..8_810_010)] {
+    for (shape, seeds) in [("int_key", 8_800_000..8_800_010), ("string_key", 8_810_000..8_810_010), ("heap", 8_820_000..8_820_010)] {
         let overrides =
             Overrides { shape: Some(shape), switch: Some(true), chunked: Some(true), snapshot_on_switch: Some(true), cleanups: Some(true), ..Default::default() };
         forced("a snapshot on a capture-instance switch", seeds, &overrides, |t| t.switches >= 3 && t.snapshots_on_switch >= 3);

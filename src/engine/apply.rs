@@ -68,10 +68,15 @@
 //! reseed writes the changes after its L again) counts once. While a chunked
 //! snapshot is open, a wave replaces its chunks' ranges: silver's rows of
 //! those ranges are taken out, the chunk rows and their later images put
-//! in; images in ranges not read yet wait for their chunk, and images of
-//! values above the last chunk's end (which no chunk reads) count after S
-//! once that chunk is read. A completed snapshot rebuilds the whole multiset
-//! and deletes the rest.
+//! in. In the ranges the snapshot has not read yet silver still holds what
+//! it held before it took this snapshot (an earlier snapshot's chunks, which
+//! a switch's or a re-snapshot's open may interrupt, a completed snapshot,
+//! or nothing beneath a first one), and images there go on counting as they
+//! did then ([`heap::Base`]'s `under`), so a row deleted there leaves silver
+//! at once. A heap's plan reads its last chunk open above, so no value lies
+//! above the last chunk's end (in plans recorded before that rule, images
+//! of such values count after S once the last chunk is read). A completed
+//! snapshot rebuilds the whole multiset and deletes the rest.
 //!
 //! The stamp alone is not enough for a count. The capture job runs behind
 //! the log, so a commit can be in the table when a chunk is read and still
@@ -858,7 +863,29 @@ async fn plan_rows(ctx: &Context, app: &str, s: Lsn) -> StepResult<Vec<PlanRow>>
 
 /// The `apply` step.
 pub async fn run(ctx: &mut Context) -> StepResult<ApplyResult> {
-    super::switch::follow_stream(ctx).await?;
+    let mut repaired = false;
+    for attempt in 0..3 {
+        if let Some(mut result) = run_on_the_streams_instance(ctx, attempt, &mut repaired).await? {
+            result.repaired = repaired;
+            return Ok(result);
+        }
+    }
+    Err(StepError::Temporary(
+        "the stream moved to another capture instance three times while this apply read its state: call apply again".into(),
+    ))
+}
+
+/// One attempt of [`run`]. Silver's columns and the MERGE's come from the
+/// capture instance the stream is on, picked from the facts at the start;
+/// a stream that switches to a newer instance before the facts are read
+/// again (those the decision is made from) has committed rows of columns
+/// the pick lacks, which this MERGE would leave out (NULL in silver, and
+/// never mended: the next apply finds nothing new). So when those facts
+/// name another instance, nothing is written and the call starts over
+/// (None), on the instance they name. `repaired` is set when this attempt
+/// wrote a control row an earlier call's crash left unwritten.
+async fn run_on_the_streams_instance(ctx: &mut Context, attempt: u32, repaired_any: &mut bool) -> StepResult<Option<ApplyResult>> {
+    let instances = super::switch::follow_stream(ctx).await?;
     let is_heap = heap::is_heap(ctx);
     let keys = if is_heap {
         heap::check_options(ctx)?;
@@ -870,15 +897,32 @@ pub async fn run(ctx: &mut Context) -> StepResult<ApplyResult> {
     let app = ctx.workflow.app_id.clone();
     let (mut silver_table, mut control_table) = open_tables(ctx).await?;
     gain_added_columns(ctx, &mut silver_table).await?;
-    let mut last = last_control(&mut control_table, &app).await?;
-    let repaired = repair(&app, &mut silver_table, &mut control_table, last.as_ref()).await?;
+    let mut history = control_rows(&mut control_table, &app).await?;
+    let repaired = repair(&app, &mut silver_table, &mut control_table, history.last()).await?;
     if repaired {
-        last = last_control(&mut control_table, &app).await?;
+        *repaired_any = true;
+        history = control_rows(&mut control_table, &app).await?;
     }
+    let last = history.last().cloned();
+    // Not a commit boundary (not in `FAILPOINTS`): a race test holds the
+    // call here, after the instance is picked, while the stream switches
+    // (tests/records_race.rs).
+    failpoint!("apply.before_state");
     // Facts first, then the plans: a facts row read always finds its plans row.
     ctx.facts.update_state().await.map_err(StepError::delta(&ctx.workflow.target.facts))?;
     ctx.bronze.update_state().await.map_err(StepError::delta(&ctx.workflow.target.bronze))?;
     let facts = state::facts_rows(&ctx.facts, &app).await?;
+    if ctx.workflow.table.capture_instance.is_none() {
+        if let Some(recorded) = super::switch::recorded_instance(&facts) {
+            // A name not listed when the call started may be an instance
+            // created since: the first attempt looks again.
+            let listed = instances.iter().any(|i| i.name.eq_ignore_ascii_case(&recorded));
+            if !recorded.eq_ignore_ascii_case(&ctx.instance.name) && (attempt == 0 || listed) {
+                tracing::info!(picked = %ctx.instance.name, now = %recorded, "the stream switched capture instance while apply read its state: starting over");
+                return Ok(None);
+            }
+        }
+    }
     let min_lsn = ctx.source.min_lsn(&ctx.instance.name).await?;
     let d = decide_with_cleanup(&app, last.as_ref(), &facts, min_lsn);
     let mut chunks: Vec<ChunkPayload> = Vec::new();
@@ -927,11 +971,11 @@ pub async fn run(ctx: &mut Context) -> StepResult<ApplyResult> {
     if d.action == Action::Nothing {
         result.action = "nothing".into();
         result.snapshot_state = snapshot_state(last.as_ref());
-        return Ok(result);
+        return Ok(Some(result));
     }
     let (up, del, version, source_rows) = if is_heap {
         let ids: Vec<i64> = chunks.iter().map(|c| c.chunk).collect();
-        let (up, del, version) = heap::merge(ctx, &mut silver_table, &d, last.as_ref(), &facts, &ids).await?;
+        let (up, del, version) = heap::merge(ctx, &mut silver_table, &d, &history, &facts, &ids).await?;
         (up, del, version, None)
     } else {
         merge(ctx, &mut silver_table, &keys, &d, &chunks, range_deletes).await?
@@ -960,7 +1004,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ApplyResult> {
     result.open_snapshot_lsn = row.open_snapshot_lsn;
     result.snapshot_wave = row.snapshot_wave;
     result.finalized_until = row.finalized_until;
-    Ok(result)
+    Ok(Some(result))
 }
 
 fn snapshot_state(row: Option<&ControlRow>) -> &'static str {

@@ -803,6 +803,25 @@ async fn compute_plan(ctx: &Context, open: &OpenPayload, chunk_rows: u64, isolat
     Ok(PlanPayload { kind: "keyset".into(), keys: open.keys.clone(), chunk_rows, chunk_count: chunks.len(), chunks, open_end, isolation })
 }
 
+/// A heap's plan reads its last chunk open above: no row is left to "above
+/// the last chunk's end". Keyed silver takes such rows from the stream's
+/// changes after S, key by key; a heap's could only count their images after
+/// the moment no row lay above MAX, which is neither S (a switch's snapshot
+/// reads MAX long after the newer instance's start) nor any LSN the open can
+/// read without a fence (the capture job runs behind the table). The last
+/// chunk's own fenced read holds them exactly instead; what it costs is a
+/// larger last chunk on a table whose chunk column grows.
+fn open_above_for_a_heap(ctx: &Context, mut plan: PlanPayload) -> PlanPayload {
+    // A heap: no unique index (`engine::apply::heap::is_heap`, not imported: apply sits above this module).
+    if ctx.instance.index_columns.is_empty() {
+        if let Some(last) = plan.chunks.last_mut() {
+            last.hi = None;
+        }
+        plan.open_end = false;
+    }
+    plan
+}
+
 /// Reads the plan, making it on the first call (plans row, read back, facts row).
 async fn ensure_plan(
     ctx: &mut Context,
@@ -833,7 +852,7 @@ async fn ensure_plan(
         None => {
             let chunk_rows = args.chunk_rows.unwrap_or(ctx.workflow.snapshot.chunk_rows).max(1);
             let started = Instant::now();
-            let plan = compute_plan(ctx, open, chunk_rows, isolation).await?;
+            let plan = open_above_for_a_heap(ctx, compute_plan(ctx, open, chunk_rows, isolation).await?);
             tracing::info!(snapshot = %o.s, chunks = plan.chunk_count, kind = %plan.kind, ms = started.elapsed().as_millis() as u64, "planned the chunked snapshot");
             let prow = PlanRow {
                 app_id: app.clone(),

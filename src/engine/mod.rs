@@ -50,7 +50,9 @@ use crate::workflow::Workflow;
 /// to a reader, before its SELECT), `snapshot.before_open` (a full run's mode
 /// check passed, before its open row), `recover.before_recovery_row` (a
 /// recovery's facts read, before its recovery row) and
-/// `apply.between_facts_and_plans` (apply's facts read, before its plans read).
+/// `apply.between_facts_and_plans` (apply's facts read, before its plans read)
+/// and `apply.before_state` (apply's capture instance picked, before its
+/// facts read).
 pub const FAILPOINTS: &[&str] = &[
     "snapshot.after_open",
     "snapshot.after_bronze",

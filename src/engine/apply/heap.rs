@@ -76,14 +76,85 @@ pub fn check_options(ctx: &Context) -> StepResult<()> {
 /// The snapshot a heap's silver is counted from, and its chunks read so far.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Base {
+    /// Silver holds nothing here: no image counts (the ranges a first
+    /// snapshot has not read yet).
+    Empty,
     /// No snapshot: changes only.
     None,
     /// A full snapshot (or a seed) at S: every row read as of S, and, for a
     /// fenced read, exactly the commits that ended at or before its fence.
     Full(Lsn, Option<DateTime<Utc>>),
     /// A chunked snapshot at S: its chunks read so far (sorted by chunk,
-    /// so by range), each as of its stamp, cut on `keys`.
-    Chunked { s: Lsn, keys: Vec<String>, read: Vec<ChunkPayload> },
+    /// so by range), each as of its stamp, cut on `keys`; in the ranges it
+    /// has not read yet, silver holds what it held before it took this
+    /// snapshot (`under`), and images there count as they did then.
+    Chunked { s: Lsn, keys: Vec<String>, read: Vec<ChunkPayload>, under: Box<Base> },
+}
+
+impl Base {
+    /// The layers beneath the top cut on a column `columns` lack (the
+    /// capture instance dropped it) become [`Base::Empty`]: their images
+    /// cannot be placed, so they count for nothing there, as before those
+    /// layers were followed (silver keeps their rows until the top
+    /// snapshot reads the range or completes).
+    fn without_uncut_layers(self, columns: &[crate::types::ColumnDesc]) -> Base {
+        fn go(base: Base, columns: &[crate::types::ColumnDesc], top: bool) -> Base {
+            match base {
+                Base::Chunked { s, keys, read, under } => {
+                    if !top && !keys.iter().all(|k| columns.iter().any(|c| c.name.eq_ignore_ascii_case(k))) {
+                        tracing::warn!(snapshot = %s, keys = ?keys, "a snapshot beneath the open one was cut on a column the capture instance no longer has: its ranges wait for the open snapshot");
+                        return Base::Empty;
+                    }
+                    Base::Chunked { s, keys, read, under: Box::new(go(*under, columns, false)) }
+                }
+                other => other,
+            }
+        }
+        go(self, columns, true)
+    }
+
+    /// Whether any layer was read fenced (an image's commit time then decides).
+    fn fenced(&self) -> bool {
+        match self {
+            Base::Full(_, f) => f.is_some(),
+            Base::Chunked { read, under, .. } => read.iter().any(|c| c.fence.is_some()) || under.fenced(),
+            Base::Empty | Base::None => false,
+        }
+    }
+
+    /// Every layer's chunk columns (a layer beneath may be cut on others).
+    fn cut_columns(&self) -> Vec<String> {
+        match self {
+            Base::Chunked { keys, under, .. } => {
+                let mut all = keys.clone();
+                all.extend(under.cut_columns());
+                all
+            }
+            _ => vec![],
+        }
+    }
+}
+
+/// The LSN every image an apply may count is above (`Some(None)`: no bound;
+/// None: it counts none): a layer's S when the whole of it is new to silver
+/// (a rebuild, a wave's new chunks, which take every image after their
+/// stamps), else also what silver applied; the ranges a chunked snapshot has
+/// not read count as the layer beneath does.
+fn counted_above(base: &Base, whole: bool, applied: Option<Lsn>) -> Option<Option<Lsn>> {
+    let own = match base {
+        Base::Empty => return None,
+        Base::None => applied,
+        Base::Full(s, _) | Base::Chunked { s, .. } => Some(if whole { *s } else { applied.map_or(*s, |a| a.max(*s)) }),
+    };
+    let beneath = match base {
+        Base::Chunked { under, .. } => counted_above(under, false, applied),
+        _ => None,
+    };
+    Some(match (own, beneath) {
+        (own, None) => own,
+        (Some(a), Some(Some(b))) => Some(a.min(b)),
+        _ => None,
+    })
 }
 
 /// Whether the snapshot at `s` was opened chunked.
@@ -96,7 +167,7 @@ fn opened_chunked(facts: &[FactRow], s: Lsn) -> bool {
 }
 
 /// The chunks of snapshot `s` the facts record, up to wave `upto` (None: all), with the open's keys.
-async fn chunked_base(ctx: &Context, facts: &[FactRow], s: Lsn, upto: Option<i64>) -> StepResult<Base> {
+async fn chunked_base(ctx: &Context, facts: &[FactRow], s: Lsn, upto: Option<i64>, under: Base) -> StepResult<Base> {
     let app = &ctx.workflow.app_id;
     let prows = plan_rows(ctx, app, s).await?;
     let mut read = Vec::new();
@@ -123,7 +194,7 @@ async fn chunked_base(ctx: &Context, facts: &[FactRow], s: Lsn, upto: Option<i64
             )))
         }
     };
-    Ok(Base::Chunked { s, keys, read })
+    Ok(Base::Chunked { s, keys, read, under: Box::new(under) })
 }
 
 /// The read fence the completion row of the full snapshot at `s` records (a heap's, read fenced).
@@ -135,26 +206,77 @@ fn full_fence(facts: &[FactRow], s: Lsn) -> Option<DateTime<Utc>> {
         .find_map(|f| serde_json::from_value::<DateTime<Utc>>(f).ok())
 }
 
-/// The base of a completed snapshot: all its chunks when it was chunked.
+/// The base of a completed snapshot: all its chunks when it was chunked
+/// (they cover every key, so nothing lies beneath them).
 async fn completed_base(ctx: &Context, facts: &[FactRow], s: Lsn) -> StepResult<Base> {
     if opened_chunked(facts, s) {
-        chunked_base(ctx, facts, s, None).await
+        chunked_base(ctx, facts, s, None, Base::Empty).await
     } else {
         Ok(Base::Full(s, full_fence(facts, s)))
     }
 }
 
-/// The base of one apply (see [`Base`]).
-async fn base_of(ctx: &Context, d: &Decision, last: Option<&ControlRow>, facts: &[FactRow]) -> StepResult<Base> {
+/// What silver held before it took the open chunked snapshot at `open`:
+/// the base of the newest control row from before the first that names it
+/// (`history`: this app's control rows, oldest first). Such a base may
+/// itself be an open snapshot that was never completed (a switch's snapshot
+/// supersedes the bootstrap being read; a re-snapshot, the one before it),
+/// with what lay beneath it in turn. Silver holds nothing beneath a first
+/// snapshot. A rebuild made while a snapshot was open (a completed snapshot
+/// applied after a newer one opened) is the bottom: silver then held that
+/// snapshot whole, whatever came before.
+async fn beneath(ctx: &Context, facts: &[FactRow], history: &[ControlRow], open: Lsn) -> StepResult<Base> {
+    // The chunked opens beneath, newest first, each with the wave silver took of it.
+    let mut layers: Vec<(Lsn, Option<i64>)> = Vec::new();
+    let mut rest = history;
+    let mut open = open;
+    let bottom = loop {
+        let first = rest.iter().rposition(|c| c.open_snapshot_lsn != Some(open)).map_or(0, |i| i + 1);
+        if let Some(rebuilt) = rest[first..].iter().rev().find(|c| c.action == "rebuild") {
+            break match rebuilt.snapshot_lsn {
+                Some(s) => completed_base(ctx, facts, s).await?,
+                None => Base::None,
+            };
+        }
+        rest = &rest[..first];
+        match rest.last() {
+            None => break Base::Empty,
+            Some(c) => match (c.open_snapshot_lsn, c.snapshot_lsn) {
+                (Some(p), _) => {
+                    layers.push((p, c.snapshot_wave));
+                    open = p;
+                }
+                (None, Some(s)) => break completed_base(ctx, facts, s).await?,
+                (None, None) => break Base::None,
+            },
+        }
+    };
+    let mut base = bottom;
+    for (p, wave) in layers.into_iter().rev() {
+        base = match wave {
+            Some(_) => chunked_base(ctx, facts, p, wave, base).await?,
+            None => Base::Chunked { s: p, keys: vec![], read: vec![], under: Box::new(base) },
+        };
+    }
+    Ok(base)
+}
+
+/// The base of one apply (see [`Base`]); `history` is this app's control
+/// rows, oldest first.
+async fn base_of(ctx: &Context, d: &Decision, last: Option<&ControlRow>, history: &[ControlRow], facts: &[FactRow]) -> StepResult<Base> {
     match &d.action {
         Action::Rebuild { snapshot } => completed_base(ctx, facts, *snapshot).await,
-        Action::Waves { snapshot, waves, .. } => chunked_base(ctx, facts, *snapshot, waves.last().copied()).await,
+        Action::Waves { snapshot, waves, .. } => {
+            let under = beneath(ctx, facts, history, *snapshot).await?;
+            chunked_base(ctx, facts, *snapshot, waves.last().copied(), under).await
+        }
         Action::Changes { .. } | Action::Nothing => match (d.next.open_snapshot_lsn, d.next.snapshot_lsn) {
             (Some(o), _) => {
                 let upto = last.filter(|c| c.open_snapshot_lsn == Some(o)).and_then(|c| c.snapshot_wave);
+                let under = beneath(ctx, facts, history, o).await?;
                 match upto {
-                    Some(_) => chunked_base(ctx, facts, o, upto).await,
-                    None => Ok(Base::Chunked { s: o, keys: vec![], read: vec![] }),
+                    Some(_) => chunked_base(ctx, facts, o, upto, under).await,
+                    None => Ok(Base::Chunked { s: o, keys: vec![], read: vec![], under: Box::new(under) }),
                 }
             }
             (None, Some(s)) => completed_base(ctx, facts, s).await,
@@ -181,14 +303,17 @@ pub fn chunk_of<'a>(read: &'a [ChunkPayload], key: &[crate::types::SqlValue]) ->
 /// (a chunk's stamp, a full snapshot's S, and where the read was fenced, a
 /// commit that ended after the fence: one that ended before it is in the
 /// rows read, though captured after the stamp), after what silver applied
-/// unless its chunk is new to silver in this apply, and in a chunk read so far. Values above the last
-/// chunk's end (rows inserted above the open's MAX) are in no chunk: no read
-/// holds them, so all their images after S count, from the apply that reads
-/// the last chunk on.
+/// unless its chunk is new to silver in this apply, and in a chunk read so
+/// far. Values above the last chunk's end (rows inserted above the open's
+/// MAX) are in no chunk: no read holds them, so all their images after S
+/// count, from the apply that reads the last chunk on. Values in a range
+/// the snapshot has not read yet count as they did in the base beneath it
+/// (silver still holds that base's rows there), never as new. `key` gives
+/// an image's values of the columns named.
 #[allow(clippy::too_many_arguments)]
-pub fn counts(
+pub fn counts<K: Fn(&[String]) -> Key>(
     base: &Base,
-    key: impl FnOnce() -> Key,
+    key: &K,
     lsn: Lsn,
     ts: Option<DateTime<Utc>>,
     applied: Option<Lsn>,
@@ -202,22 +327,26 @@ pub fn counts(
         _ => true,
     };
     match base {
+        Base::Empty => false,
         Base::None => after(applied),
         Base::Full(s, fence) => lsn > *s && after_fence(fence) && (rebuild || after(applied)),
-        Base::Chunked { s, read, .. } => {
-            let key = key();
-            if let Some(c) = chunk_of(read, &key) {
+        Base::Chunked { s, keys, read, under } => {
+            let values = key(keys);
+            if let Some(c) = chunk_of(read, &values) {
                 return lsn > c.stamp && after_fence(&c.fence) && (rebuild || new_chunks.contains(&c.chunk) || after(applied));
             }
-            let beyond = |c: &&ChunkPayload| {
-                c.last && c.hi.as_ref().is_some_and(|hi| !key.iter().any(|v| v.is_null()) && key_cmp(&key, hi) != std::cmp::Ordering::Less)
-            };
-            match read.iter().find(beyond) {
+            match read.iter().find(|c| beyond_last(c, &values)) {
                 Some(last) => lsn > *s && (rebuild || new_chunks.contains(&last.chunk) || after(applied)),
-                None => false,
+                None => counts(under, key, lsn, ts, applied, &BTreeSet::new(), false),
             }
         }
     }
+}
+
+/// Whether `key` lies above the end of `c`, the last chunk of its plan
+/// (values the open's MAX did not reach, which no chunk reads).
+fn beyond_last(c: &ChunkPayload, key: &[crate::types::SqlValue]) -> bool {
+    c.last && c.hi.as_ref().is_some_and(|hi| !key.iter().any(|v| v.is_null()) && key_cmp(key, hi) != std::cmp::Ordering::Less)
 }
 
 /// Runs the MERGE of one decision into a heap's silver. Returns (rows upserted, rows deleted, silver version if committed).
@@ -225,27 +354,26 @@ pub async fn merge(
     ctx: &Context,
     silver_table: &mut DeltaTable,
     d: &Decision,
-    last: Option<&ControlRow>,
+    history: &[ControlRow],
     facts: &[FactRow],
     new_chunk_ids: &[i64],
 ) -> StepResult<(i64, i64, Option<i64>)> {
     let Some(to) = d.to else { return Ok((0, 0, None)) };
     let columns = &ctx.instance.columns;
     let rebuild = matches!(d.action, Action::Rebuild { .. });
+    let last = history.last();
     let applied = last.and_then(|c| c.applied_lsn);
-    let base = base_of(ctx, d, last, facts).await?;
+    let base = base_of(ctx, d, last, history, facts).await?.without_uncut_layers(columns);
     let new_chunks: BTreeSet<i64> = new_chunk_ids.iter().copied().collect();
-    let fenced = match &base {
-        Base::Full(_, f) => f.is_some(),
-        Base::Chunked { read, .. } => read.iter().any(|c| c.fence.is_some()),
-        Base::None => false,
-    };
-    let cut_idx: Vec<usize> = match &base {
-        Base::Chunked { keys, .. } => keys
-            .iter()
-            .map(|k| columns.iter().position(|c| c.name.eq_ignore_ascii_case(k)).ok_or_else(|| StepError::Config(format!("chunk column '{k}' is not captured"))))
-            .collect::<StepResult<_>>()?,
-        _ => vec![],
+    let fenced = base.fenced();
+    // Where each chunk column of every layer is among the columns read.
+    let mut cut_idx: HashMap<String, usize> = HashMap::new();
+    for k in base.cut_columns() {
+        let i = columns.iter().position(|c| c.name.eq_ignore_ascii_case(&k)).ok_or_else(|| StepError::Config(format!("chunk column '{k}' is not captured")))?;
+        cut_idx.insert(k, i);
+    }
+    let key_in = |b: &RecordBatch, i: usize, names: &[String]| -> Key {
+        names.iter().map(|n| cut_idx.get(n).map_or(crate::types::SqlValue::Null, |&c| value_at(b.column(c).as_ref(), i, &columns[c].sql_type))).collect()
     };
     let cols: Vec<String> = columns.iter().map(|c| ident(&c.name)).collect();
     let cols = cols.join(", ");
@@ -254,11 +382,8 @@ pub async fn merge(
     // The change images that may count: after the base's S (or what silver
     // applied), up to the stream's position; a change row bronze holds twice
     // (a reseed writes the changes after its L again) counts once.
-    let lower = match (&base, &d.action) {
-        (Base::None, _) => applied,
-        (Base::Full(s, _) | Base::Chunked { s, .. }, Action::Rebuild { .. } | Action::Waves { .. }) => Some(*s),
-        (Base::Full(s, _) | Base::Chunked { s, .. }, _) => Some(applied.map_or(*s, |a| a.max(*s))),
-    };
+    let whole = matches!(d.action, Action::Rebuild { .. } | Action::Waves { .. });
+    let lower = counted_above(&base, whole, applied).flatten();
     let mut filter = format!("{op} <> 0 AND {start} <= {to}", op = bronze::OPERATION, start = bronze::START_LSN, to = lsn(to));
     if let Some(l) = lower {
         filter.push_str(&format!(" AND {} > {}", bronze::START_LSN, lsn(l)));
@@ -304,8 +429,7 @@ pub async fn merge(
                      Take a new snapshot"
                 )));
             }
-            let key = || cut_idx.iter().map(|&c| value_at(b.column(c).as_ref(), i, &columns[c].sql_type)).collect::<Key>();
-            mask.push(counts(&base, key, l, ts, applied, &new_chunks, rebuild));
+            mask.push(counts(&base, &|names: &[String]| key_in(&b, i, names), l, ts, applied, &new_chunks, rebuild));
         }
         let kept = filter_record_batch(&b, &BooleanArray::from(mask)).map_err(|e| StepError::Internal(format!("bronze images: {e}")))?;
         if kept.num_rows() > 0 {
@@ -323,9 +447,12 @@ pub async fn merge(
         )));
     }
 
-    // The silver rows a new chunk replaces: those of its range.
+    // The silver rows a new chunk replaces: those of its range, and for the
+    // last chunk those above its end too (no row was there at S, so the
+    // images after S counted above are all that range holds; silver may
+    // still hold a base's rows there).
     let mut replaced: Vec<RecordBatch> = Vec::new();
-    if let (Action::Waves { .. }, Base::Chunked { read, .. }) = (&d.action, &base) {
+    if let (Action::Waves { .. }, Base::Chunked { keys, read, .. }) = (&d.action, &base) {
         let fresh: Vec<ChunkPayload> = read.iter().filter(|c| new_chunks.contains(&c.chunk)).cloned().collect();
         let sql = format!("SELECT {cols}, {count}, {start}, {ts} FROM t", count = ident(silver::COUNT), start = bronze::START_LSN, ts = bronze::COMMIT_TS);
         let mut stream = delta::query_stream(silver_table, &sql).await?;
@@ -333,8 +460,8 @@ pub async fn merge(
             let b = delta::plain_types(&b.map_err(|e| StepError::Temporary(format!("reading silver: {e}")))?)?;
             let mask: Vec<bool> = (0..b.num_rows())
                 .map(|i| {
-                    let key: Key = cut_idx.iter().map(|&c| value_at(b.column(c).as_ref(), i, &columns[c].sql_type)).collect();
-                    chunk_of(&fresh, &key).is_some()
+                    let key = key_in(&b, i, keys);
+                    chunk_of(&fresh, &key).is_some() || fresh.iter().any(|c| beyond_last(c, &key))
                 })
                 .collect();
             let kept = filter_record_batch(&b, &BooleanArray::from(mask)).map_err(|e| StepError::Internal(format!("silver rows: {e}")))?;
@@ -485,33 +612,63 @@ mod tests {
     fn an_image_counts_after_its_chunks_stamp_and_only_in_a_read_chunk() {
         // Chunks 0 [-, 10) stamped 20 and 2 [20, -) stamped 40 are read; chunk 1 [10, 20) is not.
         let read = vec![chunk(0, None, Some(10), 20), chunk(2, Some(20), None, 40)];
-        let base = Base::Chunked { s: lsn(10), keys: vec!["k".into()], read };
-        let k = |v: Option<i64>| move || vec![v.map(SqlValue::Int).unwrap_or(SqlValue::Null)];
+        let base = Base::Chunked { s: lsn(10), keys: vec!["k".into()], read, under: Box::new(Base::Empty) };
+        let k = |v: Option<i64>| move |_: &[String]| vec![v.map(SqlValue::Int).unwrap_or(SqlValue::Null)];
         let none = BTreeSet::new();
-        assert!(!counts(&base, k(Some(5)), lsn(15), None, None, &none, true), "before its chunk's stamp: the chunk holds it");
-        assert!(counts(&base, k(Some(5)), lsn(25), None, None, &none, true));
-        assert!(counts(&base, k(None), lsn(25), None, None, &none, true), "a NULL key is in the first chunk");
-        assert!(!counts(&base, k(Some(15)), lsn(99), None, None, &none, true), "chunk 1 is not read yet");
-        assert!(!counts(&base, k(Some(25)), lsn(35), None, None, &none, true), "before chunk 2's stamp");
+        let nothing = |_: &[String]| Vec::new();
+        assert!(!counts(&base, &k(Some(5)), lsn(15), None, None, &none, true), "before its chunk's stamp: the chunk holds it");
+        assert!(counts(&base, &k(Some(5)), lsn(25), None, None, &none, true));
+        assert!(counts(&base, &k(None), lsn(25), None, None, &none, true), "a NULL key is in the first chunk");
+        assert!(!counts(&base, &k(Some(15)), lsn(99), None, None, &none, true), "chunk 1 is not read yet");
+        assert!(!counts(&base, &k(Some(25)), lsn(35), None, None, &none, true), "before chunk 2's stamp");
         // Incremental: after what silver applied, unless the chunk is new in this apply.
-        assert!(!counts(&base, k(Some(25)), lsn(45), None, Some(lsn(50)), &none, false));
-        assert!(counts(&base, k(Some(25)), lsn(45), None, Some(lsn(50)), &[2].into(), false), "a new chunk takes the changes after its stamp");
-        assert!(counts(&base, k(Some(25)), lsn(55), None, Some(lsn(50)), &none, false));
+        assert!(!counts(&base, &k(Some(25)), lsn(45), None, Some(lsn(50)), &none, false));
+        assert!(counts(&base, &k(Some(25)), lsn(45), None, Some(lsn(50)), &[2].into(), false), "a new chunk takes the changes after its stamp");
+        assert!(counts(&base, &k(Some(25)), lsn(55), None, Some(lsn(50)), &none, false));
         let full = Base::Full(lsn(10), None);
-        assert!(!counts(&full, Vec::new, lsn(10), None, None, &none, true));
-        assert!(counts(&full, Vec::new, lsn(11), None, None, &none, true));
-        assert!(!counts(&full, Vec::new, lsn(11), None, Some(lsn(12)), &none, false));
-        assert!(counts(&Base::None, Vec::new, lsn(1), None, None, &none, false));
+        assert!(!counts(&full, &nothing, lsn(10), None, None, &none, true));
+        assert!(counts(&full, &nothing, lsn(11), None, None, &none, true));
+        assert!(!counts(&full, &nothing, lsn(11), None, Some(lsn(12)), &none, false));
+        assert!(counts(&Base::None, &nothing, lsn(1), None, None, &none, false));
         // Above the last chunk's end: after S, once the last chunk is read.
         let mut read = vec![chunk(0, None, Some(10), 20), chunk(1, Some(10), Some(20), 30)];
-        let open = Base::Chunked { s: lsn(10), keys: vec!["k".into()], read: read.clone() };
-        assert!(!counts(&open, k(Some(25)), lsn(15), None, None, &none, true), "the last chunk is not read yet");
+        let open = Base::Chunked { s: lsn(10), keys: vec!["k".into()], read: read.clone(), under: Box::new(Base::Empty) };
+        assert!(!counts(&open, &k(Some(25)), lsn(15), None, None, &none, true), "the last chunk is not read yet");
         read[1].last = true;
-        let done = Base::Chunked { s: lsn(10), keys: vec!["k".into()], read };
-        assert!(counts(&done, k(Some(25)), lsn(15), None, None, &none, true), "no chunk read it");
-        assert!(!counts(&done, k(Some(25)), lsn(10), None, None, &none, true));
-        assert!(counts(&done, k(Some(25)), lsn(15), None, Some(lsn(40)), &[1].into(), false), "counted from the apply that reads the last chunk");
-        assert!(!counts(&done, k(Some(25)), lsn(15), None, Some(lsn(40)), &none, false));
+        let done = Base::Chunked { s: lsn(10), keys: vec!["k".into()], read, under: Box::new(Base::Empty) };
+        assert!(counts(&done, &k(Some(25)), lsn(15), None, None, &none, true), "no chunk read it");
+        assert!(!counts(&done, &k(Some(25)), lsn(10), None, None, &none, true));
+        assert!(counts(&done, &k(Some(25)), lsn(15), None, Some(lsn(40)), &[1].into(), false), "counted from the apply that reads the last chunk");
+        assert!(!counts(&done, &k(Some(25)), lsn(15), None, Some(lsn(40)), &none, false));
+    }
+
+    #[test]
+    fn ranges_a_newer_snapshot_has_not_read_count_as_the_snapshot_beneath_did() {
+        // Silver took chunks 0 [-, 10) and 1 [10, 20) of the snapshot at 10
+        // (stamped 20 and 30, not its last), then a snapshot at 40 opened
+        // over it and has read its chunk 0 [-, 10), stamped 50.
+        let older = Base::Chunked {
+            s: lsn(10),
+            keys: vec!["k".into()],
+            read: vec![chunk(0, None, Some(10), 20), chunk(1, Some(10), Some(20), 30)],
+            under: Box::new(Base::Empty),
+        };
+        let newer = Base::Chunked { s: lsn(40), keys: vec!["k".into()], read: vec![chunk(0, None, Some(10), 50)], under: Box::new(older.clone()) };
+        let k = |v: i64| move |_: &[String]| vec![SqlValue::Int(v)];
+        let none = BTreeSet::new();
+        assert!(!counts(&newer, &k(5), lsn(45), None, Some(lsn(40)), &[0].into(), false), "the newer chunk's read holds it");
+        assert!(counts(&newer, &k(15), lsn(45), None, Some(lsn(40)), &none, false), "silver still holds the older chunk 1: its changes go on counting");
+        assert!(!counts(&newer, &k(15), lsn(35), None, Some(lsn(40)), &none, false), "but not twice");
+        assert!(!counts(&newer, &k(15), lsn(35), None, Some(lsn(40)), &[1].into(), false), "a chunk new in this apply is the newer snapshot's, not the older's");
+        assert!(!counts(&newer, &k(25), lsn(45), None, Some(lsn(40)), &none, false), "neither snapshot read [20, -): silver holds nothing there");
+        // The bronze read starts low enough for the older layer's images.
+        assert_eq!(counted_above(&newer, true, Some(lsn(20))), Some(Some(lsn(20))));
+        assert_eq!(counted_above(&newer, true, Some(lsn(45))), Some(Some(lsn(40))));
+        assert_eq!(counted_above(&newer, false, None), Some(Some(lsn(10))));
+        assert_eq!(counted_above(&older, true, Some(lsn(20))), Some(Some(lsn(10))));
+        let over_changes = Base::Chunked { s: lsn(40), keys: vec!["k".into()], read: vec![], under: Box::new(Base::None) };
+        assert_eq!(counted_above(&over_changes, true, None), Some(None), "beneath, every change counts: no bound");
+        assert!(counts(&over_changes, &k(15), lsn(5), None, None, &none, false));
     }
 
     #[test]
@@ -523,16 +680,17 @@ mod tests {
         let after = Some(t0 + chrono::Duration::milliseconds(25));
         let mut c = chunk(0, None, None, 20);
         c.fence = Some(t0);
-        let base = Base::Chunked { s: lsn(10), keys: vec!["k".into()], read: vec![c] };
-        let k = || vec![SqlValue::Int(5)];
+        let base = Base::Chunked { s: lsn(10), keys: vec!["k".into()], read: vec![c], under: Box::new(Base::Empty) };
+        let k = |_: &[String]| vec![SqlValue::Int(5)];
         let none = BTreeSet::new();
-        assert!(!counts(&base, k, lsn(25), before, None, &none, true), "ended before the fence: the chunk read it");
-        assert!(counts(&base, k, lsn(25), after, None, &none, true), "ended after the fence: a change to count");
-        assert!(!counts(&base, k, lsn(15), after, None, &none, true), "at or before the stamp: never");
+        let nothing = |_: &[String]| Vec::new();
+        assert!(!counts(&base, &k, lsn(25), before, None, &none, true), "ended before the fence: the chunk read it");
+        assert!(counts(&base, &k, lsn(25), after, None, &none, true), "ended after the fence: a change to count");
+        assert!(!counts(&base, &k, lsn(15), after, None, &none, true), "at or before the stamp: never");
         let full = Base::Full(lsn(10), Some(t0));
-        assert!(!counts(&full, Vec::new, lsn(11), before, None, &none, true), "a full read holds what ended before its fence");
-        assert!(counts(&full, Vec::new, lsn(11), after, None, &none, true));
-        assert!(!counts(&full, Vec::new, lsn(11), after, Some(lsn(12)), &none, false), "and silver has applied it");
+        assert!(!counts(&full, &nothing, lsn(11), before, None, &none, true), "a full read holds what ended before its fence");
+        assert!(counts(&full, &nothing, lsn(11), after, None, &none, true));
+        assert!(!counts(&full, &nothing, lsn(11), after, Some(lsn(12)), &none, false), "and silver has applied it");
     }
 
     #[test]
