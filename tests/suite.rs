@@ -60,5 +60,7 @@ mod switch_after_cleanup;
 mod switch_chunked;
 #[path = "torture.rs"]
 mod torture;
+#[path = "transitions.rs"]
+mod transitions;
 #[path = "type_change.rs"]
 mod type_change;

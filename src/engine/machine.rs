@@ -296,6 +296,13 @@ pub fn next(state: &MachineState, inputs: &Inputs, lane: Lane) -> Next {
         return go(Transition::Resnapshot, format!("a recovery into generation {} is recorded; its re-snapshot is not live yet", state.generation + 1));
     }
     if let Some(SnapshotState { phase: SnapshotPhase::Reading, s, .. }) = &state.snapshot {
+        // Nothing tells a dead full run from a slow one, and a bootstrap's
+        // open may always run again: its one bronze commit (`<app>#snapshot`
+        // of the generation) lets one run complete it, and a run cut after
+        // that commit is completed from it. So a stream not started opens.
+        if lane == Lane::Stream && matches!(state.stream, StreamPhase::NotStarted) {
+            return go(Transition::Open, format!("a full snapshot at {s} is open without its completion: the open takes it (again, if the run that opened it is gone)"));
+        }
         return go(Transition::Idle, format!("a full snapshot at {s} is being read by the call that opened it (or holds the mode until cleanup passes it)"));
     }
     match lane {
@@ -407,8 +414,11 @@ mod tests {
         let mut rec = row(0, Some(EVENT_RECOVERY), 20);
         rec.detail = Some(json!({"target_generation": 1}));
         recovering.push(rec);
+        let mut full_open = row(0, Some(EVENT_SNAPSHOT_OPEN), 10);
+        full_open.detail = Some(json!({"mode": "full", "kind": "bootstrap", "generation": 0}));
         vec![
             (vec![], None, State::NotStarted),
+            (vec![full_open], None, State::FullReading),
             (vec![open(10)], None, State::ChunkedOpened),
             (vec![open(10), plan(10, 2)], None, State::ChunkedPlanned),
             (vec![open(10), plan(10, 2), chunk(10, 0, 0)], None, State::ChunkedPlanned),
@@ -493,6 +503,14 @@ mod tests {
         let s = at(&[open(10), batch(0, 0, 11, 30)]);
         assert_eq!(next(&s, &inputs(30), Lane::Stream).transition, Transition::Idle);
         assert_eq!(next(&s, &Inputs { min_lsn: Some(l(35)), ..inputs(40) }, Lane::Stream).transition, Transition::Recover);
+        // A full bootstrap cut before its completion: the stream lane opens
+        // it again (a run still reading races it for the one bronze commit).
+        let mut full_open = row(0, Some(EVENT_SNAPSHOT_OPEN), 10);
+        full_open.detail = Some(json!({"mode": "full", "kind": "bootstrap", "generation": 0}));
+        let full = Inputs { mode: SnapshotMode::Full, ..inputs(30) };
+        assert_eq!(at(&[full_open.clone()]).label(), State::FullReading);
+        assert_eq!(next(&at(&[full_open.clone()]), &full, Lane::Stream).transition, Transition::Open);
+        assert_eq!(next(&at(&[full_open]), &full, Lane::Snapshot).transition, Transition::Idle);
         // No bootstrap: a start; the snapshot lane has nothing.
         let no_boot = Inputs { bootstrap: false, ..inputs(30) };
         assert_eq!(next(&at(&[]), &no_boot, Lane::Stream).transition, Transition::Start);

@@ -340,7 +340,22 @@ pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Opti
     // here, its mode check passed, while a chunked open is written
     // (tests/records_race.rs).
     failpoint!("snapshot.before_open");
-    super::stream::append_facts_untracked(ctx, vec![open]).await?;
+    // A run cut after its open row, called again with nothing committed
+    // since, opens at the same S: that row is this run's open already
+    // (untracked, so a second would stand beside it, read by nobody).
+    let recorded = super::state::facts_rows(&ctx.facts, &app).await?.iter().any(|r| {
+        r.event.as_deref() == Some(EVENT_SNAPSHOT_OPEN)
+            && r.generation == generation
+            && r.min_lsn == Some(s)
+            && r.detail.as_ref().is_some_and(|d| {
+                d.get("mode").and_then(serde_json::Value::as_str) == Some("full") && d.get("kind").and_then(serde_json::Value::as_str) == Some(kind)
+            })
+    });
+    if recorded {
+        tracing::info!(snapshot = %s, generation, "the open row of this full snapshot is recorded already (a run cut after it): not written again");
+    } else {
+        super::stream::append_facts_untracked(ctx, vec![open]).await?;
+    }
     failpoint!("snapshot.after_open");
     // A chunked open committed between our check and our open takes the
     // generation: stop rather than put two snapshots in it.
