@@ -24,6 +24,8 @@ mod lock_wait;
 mod machine;
 #[path = "mssql_integration.rs"]
 mod mssql_integration;
+#[path = "orchestration_by_transition.rs"]
+mod orchestration_by_transition;
 #[path = "permissions.rs"]
 mod permissions;
 #[path = "reconcile_tiers.rs"]
