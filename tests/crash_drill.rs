@@ -56,12 +56,56 @@ async fn every_failpoint_in_process() {
     // and so have silver's and reconcile's (tests/silver.rs) and the
     // recovery's (tests/recovery.rs, a crash at every step of it), and the
     // open after a capture-instance switch's (tests/snapshot_on_switch.rs).
-    for fp in FAILPOINTS
-        .iter()
-        .filter(|f| !f.starts_with("chunked.") && !f.starts_with("apply.") && !f.starts_with("reconcile.") && !f.starts_with("recover.") && !f.starts_with("switch."))
-    {
+    // The two that only a repair passes have theirs below.
+    for fp in FAILPOINTS.iter().filter(|f| {
+        !f.starts_with("chunked.")
+            && !f.starts_with("apply.")
+            && !f.starts_with("reconcile.")
+            && !f.starts_with("recover.")
+            && !f.starts_with("switch.")
+            && !REPAIR_FAILPOINTS.contains(f)
+    }) {
         let wf = if *fp == "stream.after_start" { WF_NO_BOOTSTRAP } else { WF };
         drill(fp, wf).await;
+    }
+}
+
+/// The commit boundaries only a repair passes: the facts row of a batch
+/// bronze holds without one, and the completion row of a full snapshot bronze
+/// holds without one.
+const REPAIR_FAILPOINTS: &[&str] = &["repair.after_facts", "snapshot.after_repaired_completion"];
+
+/// A crash between a step's two commits, then a crash right after the rerun's
+/// repair wrote the missing row: the third call finds nothing to repair and
+/// goes on, and bronze ends equal to the source with no change row or batch
+/// row twice and one bootstrap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_a_repair_reruns_to_the_same_result() {
+    for (first, second) in [("stream.after_bronze", "repair.after_facts"), ("snapshot.after_bronze", "snapshot.after_repaired_completion")] {
+        assert!(FAILPOINTS.contains(&first) && FAILPOINTS.contains(&second) && REPAIR_FAILPOINTS.contains(&second));
+        let mut s = Scenario::new(40, WF);
+        if first.starts_with("stream.") {
+            s.stream().await.unwrap();
+            s.changes(10);
+            common::settle(&s.db);
+        }
+        {
+            let _guard = fail::FailScenario::setup();
+            for fp in [first, second] {
+                fail::cfg(fp, "1*return").unwrap();
+                let e = s.stream().await.expect_err(&format!("{fp} should have cut the call"));
+                assert!(e.to_string().contains(fp), "{first} then {second}: the call stopped elsewhere: {e}");
+                fail::remove(fp);
+            }
+        }
+        s.changes(10);
+        s.stream_until_caught_up().await;
+        let cmp = s.verify().await;
+        assert_eq!(cmp.differences(), 0, "{first} then {second}: {cmp:?}");
+        assert_eq!(s.duplicate_change_rows().await, 0, "{first} then {second}: a change row twice in bronze");
+        assert_eq!(s.duplicate_batch_rows().await, 0, "{first} then {second}: a batch with two facts rows");
+        assert_eq!(s.count("facts", "event = 'bootstrap'").await, 1, "{first} then {second}");
+        common::assert_targets_match_source(&s.db, &s.table, &s.wf_path).await;
     }
 }
 

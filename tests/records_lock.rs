@@ -1,7 +1,7 @@
 //! The mode lock and the records' rules around it, each driven through the
 //! command line on the simulator (issue "records"):
 //! - `apply` holds silver's verdict for an open snapshot by the same rule as
-//!   every other step (`engine::chunked::snapshot_holding_mode`): a full open
+//!   every other step (`engine::rules::snapshot_holding_mode`): a full open
 //!   that CDC cleanup has passed holds nothing;
 //! - `backfill` never completes a chunked snapshot over a gap in the stream
 //!   after S (adr-0028: such a gap ruins the snapshot, a newer one replaces it);

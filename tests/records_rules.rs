@@ -363,6 +363,33 @@ fn a_committed_resnapshot_passed_by_cleanup_then_a_full_rerun_recovers() {
     assert_bronze_equals_table(&rt, &s);
 }
 
+/// The retire row is a commit boundary of its own: a call cut right after
+/// writing the dead attempt's `resnapshot_failed` row leaves that row once,
+/// and its rerun goes on to the same recovery as an uncut call (generation 2,
+/// one failure row, bronze equal to the table).
+#[test]
+fn a_crash_after_the_failed_attempts_row_reruns_to_one_failure_row() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (mut s, dead_s) = resnapshot_committed_then_passed(&rt);
+    let (code, j) = step(&s, &["stream", "--resnapshot-interval-days", "0"], &[("MSSQL_CDC_FAILPOINTS", "recover.after_failed_row=return")]);
+    assert_eq!(code, 75, "the cut call is one to call again: {j}");
+    assert!(j["error"].as_str().unwrap_or("").contains("recover.after_failed_row"), "{j}");
+    let rows = facts(&rt, &s);
+    let failed = events(&rows, "resnapshot_failed");
+    assert_eq!((failed.len(), failed[0].min_lsn), (1, Some(dead_s)), "the row is in before the cut: {failed:?}");
+    assert!(events(&rows, "resnapshot").is_empty(), "nothing after the cut");
+    let j = ok(&s, &["stream", "--resnapshot-interval-days", "0"]);
+    assert_eq!((j["generation"].as_i64(), j["recovery"]["mode"].as_str()), (Some(2), Some("full")), "{j}");
+    s.changes(6);
+    common::settle(&s.db);
+    stream_until_caught_up(&s);
+    let rows = facts(&rt, &s);
+    assert_eq!(events(&rows, "resnapshot_failed").len(), 1, "the rerun found the row and wrote no second one");
+    assert_eq!(events(&rows, "resnapshot").len(), 1);
+    assert_batches_tile(&rows);
+    assert_bronze_equals_table(&rt, &s);
+}
+
 const CHUNKED_SKIP: &str = "[snapshot]\nbootstrap = true\nmode = \"chunked\"\nparallelism = 2\nchunk_rows = 10\ntarget_wave_seconds = 0\n\
                             [stream]\nmax_batch_rows = 1000\non_data_loss = \"skip\"\n";
 

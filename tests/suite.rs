@@ -18,6 +18,8 @@ mod concurrent_first;
 mod heap_silver;
 #[path = "identity_cli.rs"]
 mod identity_cli;
+#[path = "layers.rs"]
+mod layers;
 #[path = "lock_wait.rs"]
 mod lock_wait;
 #[path = "machine.rs"]

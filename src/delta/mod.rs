@@ -421,7 +421,7 @@ pub enum Appended {
     /// The table already held this txn (version `found` >= the one asked).
     /// Another call decided this outcome: a caller that wrote something else
     /// under the txn compares what is recorded with what it meant (see
-    /// `engine::stream::check_recorded_batch`) rather than going on.
+    /// `engine::repair::check_recorded_batch`) rather than going on.
     AlreadyApplied { found: i64 },
     /// There were no rows: nothing was committed and the txn is not recorded.
     Empty,

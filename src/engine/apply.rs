@@ -95,7 +95,13 @@
 //! snapshot's completion row. A seed has no fence: its copy's point in time
 //! is its own rule.
 
+mod decide;
 pub mod heap;
+mod sql;
+
+pub use self::decide::{decide, decide_with_cleanup, newest_completed, open_chunked, txn_control, txn_merge, waves_in_facts, Action, Decision};
+pub use self::sql::{ident, key_match};
+use self::sql::key_match_between;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -118,32 +124,6 @@ use crate::error::{StepError, StepResult};
 use crate::failpoint;
 use crate::lsn::Lsn;
 use crate::types::{truncate_to_micros, ColumnDesc, SqlType, SqlValue};
-
-/// What one `apply` does (decided by [`decide`]).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum Action {
-    /// Rebuild from the rows of completed snapshot S and the changes after it, deleting by absence.
-    Rebuild { snapshot: Lsn },
-    /// Apply these waves of the open chunked snapshot S: their chunk rows
-    /// with the changes after S of the chunk rows' keys, and every key's
-    /// changes after `after` (what silver applied; None: all of them).
-    Waves { snapshot: Lsn, waves: Vec<i64>, after: Option<Lsn> },
-    /// Apply the changes after `after` (None: all of them).
-    Changes { after: Option<Lsn> },
-    /// Nothing new.
-    Nothing,
-}
-
-/// The decision of one apply: the action, up to which LSN, and the control row it leads to.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Decision {
-    pub action: Action,
-    /// The stream's position: the newest LSN the facts say bronze holds.
-    pub to: Option<Lsn>,
-    /// The control row to write once the MERGE is in (metrics filled then).
-    pub next: ControlRow,
-}
 
 /// The result of `apply`, printed as JSON.
 #[derive(Debug, Clone, Serialize)]
@@ -169,130 +149,6 @@ pub struct ApplyResult {
     /// collected in memory: every action but a rebuild (which streams) and a
     /// heap's. What bounds a call's memory, so it is reported.
     pub source_rows: Option<i64>,
-}
-
-/// Silver's MERGE txn: one version per apply.
-pub fn txn_merge(app: &str, seq: i64) -> Txn {
-    Txn::new(format!("{app}#silver"), seq)
-}
-
-/// The control row's txn.
-pub fn txn_control(app: &str, seq: i64) -> Txn {
-    Txn::new(format!("{app}#control"), seq)
-}
-
-/// The newest completed snapshot (any generation): S of the newest `bootstrap` or `resnapshot` row.
-pub fn newest_completed(facts: &[FactRow]) -> Option<Lsn> {
-    facts
-        .iter()
-        .filter(|r| matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT)))
-        .filter_map(|r| r.max_lsn)
-        .max()
-}
-
-/// The chunked snapshot open now, if its S is newer than every completed one.
-pub fn open_chunked(facts: &[FactRow]) -> Option<Lsn> {
-    let o = chunked::open_chunked(facts)?;
-    match newest_completed(facts) {
-        Some(c) if c >= o.s => None,
-        _ => Some(o.s),
-    }
-}
-
-/// The waves of snapshot `s` that have facts rows, with their chunks.
-pub fn waves_in_facts(facts: &[FactRow], s: Lsn) -> BTreeMap<i64, BTreeSet<i64>> {
-    let hex = s.to_hex();
-    let mut out: BTreeMap<i64, BTreeSet<i64>> = BTreeMap::new();
-    for r in facts.iter().filter(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_CHUNK)) {
-        let Some(d) = &r.detail else { continue };
-        if d.get("snapshot").and_then(Value::as_str) != Some(hex.as_str()) {
-            continue;
-        }
-        if let (Some(c), Some(w)) = (d.get("chunk").and_then(Value::as_i64), d.get("wave").and_then(Value::as_i64)) {
-            out.entry(w).or_default().insert(c);
-        }
-    }
-    out
-}
-
-/// Decides what one apply does (pure): from silver's last control row and
-/// this app id's facts rows, not knowing where CDC cleanup is (see
-/// [`decide_with_cleanup`]).
-pub fn decide(app: &str, last: Option<&ControlRow>, facts: &[FactRow]) -> Decision {
-    decide_with_cleanup(app, last, facts, None)
-}
-
-/// [`decide`] with the capture instance's min LSN. A full snapshot holds
-/// the verdict (no rows to apply before its completion, but the verdict
-/// waits for it) by the rule every step uses,
-/// `engine::chunked::full_holding_mode`: once cleanup has passed its S it
-/// can never complete, and a verdict held for it would stay held forever
-/// while `status`, `seed` and the snapshot steps already count it as dead.
-pub fn decide_with_cleanup(app: &str, last: Option<&ControlRow>, facts: &[FactRow], min_lsn: Option<Lsn>) -> Decision {
-    let st = StreamState::derive(app, facts, None);
-    let seq = last.map(|c| c.seq + 1).unwrap_or(0);
-    let completed = newest_completed(facts);
-    let open = open_chunked(facts);
-    let held = open.is_some() || chunked::full_holding_mode(facts, min_lsn).is_some();
-    let applied = last.and_then(|c| c.applied_lsn);
-    let mut to = st.position();
-    if let Some(c) = completed {
-        to = to.max(Some(c));
-    }
-    let prev_final = last.and_then(|c| c.finalized_until);
-    let mut next = ControlRow {
-        app_id: app.to_string(),
-        seq,
-        applied_lsn: to.max(applied),
-        snapshot_lsn: last.and_then(|c| c.snapshot_lsn),
-        open_snapshot_lsn: open,
-        snapshot_wave: None,
-        finalized_until: if held { prev_final } else { to.max(applied) },
-        action: String::new(),
-        ..Default::default()
-    };
-    let built_from = last.and_then(|c| c.snapshot_lsn);
-    if let Some(c) = completed.filter(|c| built_from.is_none_or(|b| b < *c)) {
-        next.snapshot_lsn = Some(c);
-        next.action = "rebuild".into();
-        return Decision { action: Action::Rebuild { snapshot: c }, to, next };
-    }
-    if let Some(s) = open {
-        let done = last.filter(|c| c.open_snapshot_lsn == Some(s)).and_then(|c| c.snapshot_wave);
-        next.snapshot_wave = done;
-        let waves: Vec<i64> = waves_in_facts(facts, s).into_keys().filter(|w| done.is_none_or(|d| *w > d)).collect();
-        if let Some(&newest) = waves.last() {
-            next.snapshot_wave = Some(newest);
-            next.action = "waves".into();
-            // The changes silver has not applied yet (every key), and, with
-            // the chunk rows, the changes after S of their own keys that it
-            // has ([`wave_source_sql`]): a chunk row never brings back a key
-            // deleted after its stamp.
-            return Decision { action: Action::Waves { snapshot: s, waves, after: applied }, to, next };
-        }
-    }
-    match (to, applied) {
-        (Some(t), Some(a)) if t <= a => {
-            next.action = "position".into();
-            let same = last.is_some_and(|c| {
-                c.finalized_until == next.finalized_until && c.open_snapshot_lsn == next.open_snapshot_lsn && c.snapshot_wave == next.snapshot_wave
-            });
-            if same {
-                Decision { action: Action::Nothing, to, next }
-            } else {
-                // Only the verdict or the open snapshot moved: a control row, no MERGE.
-                Decision { action: Action::Changes { after: Some(a) }, to, next }
-            }
-        }
-        (None, _) => {
-            next.action = "position".into();
-            Decision { action: Action::Nothing, to, next }
-        }
-        (Some(_), a) => {
-            next.action = "changes".into();
-            Decision { action: Action::Changes { after: a }, to, next }
-        }
-    }
 }
 
 /// The key columns silver merges on: the capture instance's unique index,
@@ -457,64 +313,6 @@ pub async fn control_rows(table: &mut DeltaTable, app: &str) -> StepResult<Vec<C
 /// The newest control row of this app id.
 pub async fn last_control(table: &mut DeltaTable, app: &str) -> StepResult<Option<ControlRow>> {
     Ok(control_rows(table, app).await?.pop())
-}
-
-/// A quoted SQL identifier.
-pub fn ident(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
-}
-
-/// The join of silver (`target`) and a MERGE's source on these columns,
-/// null-safe: a NULL in a key column is a value of its own, as the dedup's
-/// PARTITION BY, the rebuild and reconcile already take it. With `=`, a
-/// change of the row whose key is NULL matched nothing, so it inserted a
-/// second copy and its delete never removed one. A column that cannot hold
-/// NULL keeps `=`, which deltalake also uses to skip silver files by their
-/// key statistics. A nullable one is matched by two equalities, so the join
-/// stays a hash join on keys that are never NULL: `COALESCE(k, x)` with a
-/// stand-in x of the column's type, and `k IS NULL`, which tells a NULL from
-/// a real x. (`IS NOT DISTINCT FROM` alone did not match NULLs in the MERGE's
-/// join here: the NULL-key row was inserted again; it stays the fallback for
-/// types without a stand-in.)
-pub fn key_match(columns: &[ColumnDesc]) -> String {
-    key_match_between(columns, "target", "source")
-}
-
-/// [`key_match`] between any two aliases.
-fn key_match_between(columns: &[ColumnDesc], a: &str, b: &str) -> String {
-    columns
-        .iter()
-        .map(|k| {
-            let c = ident(&k.name);
-            match (k.nullable, null_stand_in(&k.sql_type)) {
-                (false, _) => format!("{a}.{c} = {b}.{c}"),
-                // A timestamp's stand-in literal made deltalake's MERGE fail
-                // to print its predicate ("Unable to convert expression to
-                // string", exit 1, found by a heap with a nullable datetime2
-                // column): compare its microseconds as BIGINT instead.
-                (true, _) if matches!(k.sql_type, SqlType::DateTime | SqlType::SmallDateTime | SqlType::DateTime2 { .. }) => format!(
-                    "COALESCE(CAST({a}.{c} AS BIGINT), 0) = COALESCE(CAST({b}.{c} AS BIGINT), 0) AND ({a}.{c} IS NULL) = ({b}.{c} IS NULL)"
-                ),
-                (true, Some(x)) => format!("COALESCE({a}.{c}, {x}) = COALESCE({b}.{c}, {x}) AND ({a}.{c} IS NULL) = ({b}.{c} IS NULL)"),
-                (true, None) => format!("{a}.{c} IS NOT DISTINCT FROM {b}.{c}"),
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(" AND ")
-}
-
-/// A literal of the column's Arrow type that stands in for NULL in [`key_match`].
-fn null_stand_in(ty: &SqlType) -> Option<&'static str> {
-    use SqlType::*;
-    match ty {
-        t if t.is_integer() => Some("0"),
-        Decimal { .. } | Money | SmallMoney | Float | Real => Some("0"),
-        Bit => Some("false"),
-        Char { .. } | VarChar { .. } | NChar { .. } | NVarChar { .. } | Text | NText | Xml | UniqueIdentifier | Time { .. } => Some("''"),
-        Date => Some("CAST('1970-01-01' AS DATE)"),
-        DateTime | SmallDateTime | DateTime2 { .. } => Some("CAST('1970-01-01T00:00:00' AS TIMESTAMP)"),
-        _ => None,
-    }
 }
 
 /// `a`'s rank is above `b`'s (aliases of two relations with silver's rank columns).
@@ -853,14 +651,6 @@ async fn repair(app: &str, silver_table: &mut DeltaTable, control_table: &mut De
     Ok(true)
 }
 
-/// The plans rows of snapshot `s` (read after the facts: every facts row finds its plans row).
-async fn plan_rows(ctx: &Context, app: &str, s: Lsn) -> StepResult<Vec<PlanRow>> {
-    let location = plans::location_for(&ctx.workflow.target.bronze);
-    let Some(table) = delta::open_existing(&location, &ctx.storage).await? else { return Ok(vec![]) };
-    let batches = delta::query(&table, &format!("SELECT * FROM t WHERE app_id = {} AND snapshot = {}", sql_str(app), sql_str(&s.to_hex()))).await?;
-    plans::from_batches(&batches)
-}
-
 /// The `apply` step.
 pub async fn run(ctx: &mut Context) -> StepResult<ApplyResult> {
     let mut repaired = false;
@@ -932,7 +722,7 @@ async fn run_on_the_streams_instance(ctx: &mut Context, attempt: u32, repaired_a
         // call here, between its facts read and its plans read, while a wave
         // lands (tests/records_race.rs).
         failpoint!("apply.between_facts_and_plans");
-        let prows = plan_rows(ctx, &app, *snapshot).await?;
+        let prows = chunked::plan_rows_if_any(ctx, &app, *snapshot).await?;
         let wanted = waves_in_facts(&facts, *snapshot);
         for w in waves {
             for c in wanted.get(w).into_iter().flatten() {

@@ -17,6 +17,8 @@ pub mod plan;
 pub mod rebuild;
 pub mod reconcile;
 pub mod recover;
+pub mod repair;
+pub mod rules;
 pub mod seed;
 pub mod snapshot;
 pub mod state;
@@ -57,8 +59,11 @@ pub const FAILPOINTS: &[&str] = &[
     "snapshot.after_open",
     "snapshot.after_bronze",
     "snapshot.after_event",
+    "snapshot.after_repaired_completion",
+    "recover.after_failed_row",
     "recover.after_recovery_row",
     "stream.after_start",
+    "repair.after_facts",
     "stream.after_bronze",
     "stream.after_facts",
     "switch.after_open_plans",

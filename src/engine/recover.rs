@@ -215,6 +215,7 @@ pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_d
         if !snapshot::failure_recorded(&rows, c.generation, c.s) {
             tracing::warn!(snapshot = %c.s, generation = c.generation, "a full re-snapshot committed to bronze but not completed was passed by CDC cleanup: recording it as failed");
             snapshot::record_failed_row(ctx, c.generation, c.s, min, "its bronze commit is in, but CDC cleanup passed its LSN before its completion row was written").await?;
+            failpoint!("recover.after_failed_row");
             rows = state::facts_rows(&ctx.facts, &app).await?;
         }
         if mode == SnapshotMode::Full {
@@ -280,7 +281,7 @@ pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_d
             "interval_days": interval_days,
         }));
         let txn = Txn::new(format!("{app}#recovery"), target as i64);
-        if let Appended::AlreadyApplied { .. } = super::stream::append_facts(ctx, vec![row], &txn).await? {
+        if let Appended::AlreadyApplied { .. } = state::append_facts(ctx, vec![row], &txn).await? {
             tracing::warn!(target, "another run recorded this recovery meanwhile: going on with it");
         }
         failpoint!("recover.after_recovery_row");

@@ -166,7 +166,7 @@ pub struct SeedInput {
     /// The whole snapshots the target holds.
     pub snapshots: Vec<WholeSnapshot>,
     /// The snapshot that holds the snapshot mode
-    /// (`engine::chunked::snapshot_holding_mode`): a chunked one not complete,
+    /// (`engine::rules::snapshot_holding_mode`): a chunked one not complete,
     /// or a full one that may still be read. A dead full open (cleanup passed
     /// its S, or a completion superseded it, including the completion of its
     /// own generation by a concurrent attempt that won) is not one.
@@ -303,7 +303,7 @@ pub async fn run(ctx: &mut Context, args: &SeedArgs) -> StepResult<SeedResult> {
     // generation's batches: left for later, the batch would stay in bronze
     // with no facts row for good. So it is recorded first, as the stream's
     // next call would have.
-    if !super::stream::repair(ctx, &st).await?.is_empty() {
+    if !super::repair::repair(ctx, &st).await?.is_empty() {
         st = super::state::load(ctx).await?;
     }
     let lsn = match &args.as_of {

@@ -16,11 +16,11 @@
 //! `engine::recover` retires it as a failed attempt and takes a new one.
 //!
 //! The open row of 1 holds the snapshot mode until 3, or until cleanup passes
-//! its S (`engine::chunked::full_holding_mode`): a killed attempt blocks a
+//! its S (`engine::rules::full_holding_mode`): a killed attempt blocks a
 //! chunked open or a seed for the retention at most. Two attempts at once
 //! both write their open row, but only one commits 2 and 3 (both keyed by
 //! the generation); the other's open, even at a higher S, is superseded by
-//! that completion (`engine::chunked::is_superseded_full`) and holds nothing.
+//! that completion (`engine::rules::is_superseded_full`) and holds nothing.
 //!
 //! Before 2 commits, the read checks that CDC cleanup has not passed S (a
 //! read longer than the retention): such an image cannot be continued by the
@@ -38,6 +38,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::Context;
+pub use super::rules::{is_purged_after, Gap};
 use crate::delta::bronze::{self, SnapshotStamp};
 use crate::delta::facts::{EVENT_BOOTSTRAP, EVENT_RESNAPSHOT_FAILED, EVENT_SNAPSHOT_OPEN};
 use crate::delta::{self, Appended, Txn};
@@ -149,23 +150,8 @@ pub async fn ensure_bootstrap(ctx: &mut Context) -> StepResult<SnapshotResult> {
     take_full(ctx, 0, EVENT_BOOTSTRAP, None).await
 }
 
-/// The data-loss gap a re-snapshot closes, as its event rows record it.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
-pub struct Gap {
-    /// Commit time of the last position the stream processed.
-    pub lost_from_ts: Option<DateTime<Utc>>,
-    /// Commit time of the capture instance's min LSN when the loss was found.
-    pub lost_to_ts: Option<DateTime<Utc>>,
-}
-
 fn txn_full_snapshot(app: &str, generation: i32) -> Txn {
     Txn::new(format!("{app}#snapshot"), generation as i64)
-}
-
-/// True when CDC cleanup has passed `s`: the changes right after it are gone
-/// while there is something after it to read, so a stream cannot start there.
-pub fn is_purged_after(s: Lsn, min_lsn: Option<Lsn>, max_lsn: Option<Lsn>) -> bool {
-    matches!((min_lsn, max_lsn), (Some(min), Some(max)) if max > s && s.increment() < min)
 }
 
 /// A full snapshot's bronze commit, as its metadata records it.
@@ -254,6 +240,7 @@ pub async fn complete_committed(ctx: &mut Context, c: &CommittedFull, kind: &str
         return Ok(SnapshotResult { step: "snapshot", snapshot_lsn: c.s, rows: c.rows, already_done: true, ranges: 0, duration_ms: 0 });
     }
     write_completion(ctx, c.generation, kind, c.s, c.rows, Some(c.bronze_version), None, gap, c.fence).await?;
+    failpoint!("snapshot.after_repaired_completion");
     Ok(SnapshotResult { step: "snapshot", snapshot_lsn: c.s, rows: c.rows, already_done: true, ranges: 0, duration_ms: 0 })
 }
 
@@ -308,7 +295,7 @@ pub async fn record_failed_row(ctx: &mut Context, generation: i32, s: Lsn, min_l
         None => None,
     };
     row.detail = Some(json!({"mode": "full", "target_generation": generation, "reason": why, "failed_at": Utc::now()}));
-    super::stream::append_facts_untracked(ctx, vec![row]).await
+    super::state::append_facts_untracked(ctx, vec![row]).await
 }
 
 /// Takes a full snapshot for `generation`: the open row, the read of the
@@ -354,7 +341,7 @@ pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Opti
     if recorded {
         tracing::info!(snapshot = %s, generation, "the open row of this full snapshot is recorded already (a run cut after it): not written again");
     } else {
-        super::stream::append_facts_untracked(ctx, vec![open]).await?;
+        super::state::append_facts_untracked(ctx, vec![open]).await?;
     }
     failpoint!("snapshot.after_open");
     // A chunked open committed between our check and our open takes the
@@ -548,7 +535,7 @@ async fn write_completion(
     }
     row.detail = Some(detail);
     let txn = Txn::new(format!("{}#events", ctx.workflow.app_id), generation as i64);
-    super::stream::append_facts(ctx, vec![row], &txn).await?;
+    super::state::append_facts(ctx, vec![row], &txn).await?;
     Ok(())
 }
 

@@ -1,4 +1,5 @@
-//! The stream's state, derived from the facts table and bronze's txn versions.
+//! The stream's state, derived from the facts table and bronze's txn
+//! versions, and the two ways a step appends to the facts table.
 //!
 //! [`load`] does the I/O; [`StreamState::derive`] is a pure function of the
 //! facts rows and the bronze txn version, so every rule below is unit-tested
@@ -9,20 +10,25 @@
 //! - a bronze txn version above the newest facts batch means a crash between
 //!   the two commits: that batch's facts row must be repaired first;
 //! - the open snapshot is the one that holds the snapshot mode
-//!   (`engine::chunked::snapshot_holding_mode`, the rule every step uses). A
+//!   (`engine::rules::snapshot_holding_mode`, the rule every step uses). A
 //!   full open stops holding once CDC cleanup passes its S, which only the
 //!   source knows: [`load`] passes the capture instance's min LSN, and
 //!   [`StreamState::derive`] alone (no source) counts no open as passed.
 
-use serde::Serialize;
+//!
+//! Above `engine::rules` (whose generation rules it re-exports under their
+//! old paths) and below every transition.
 
+use serde::Serialize;
+use serde_json::json;
+
+use super::Context;
 use crate::delta::facts::{self, FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT, EVENT_SNAPSHOT_OPEN};
-use crate::delta::{self, sql_str};
+use crate::delta::{self, sql_str, Appended, Txn};
 use crate::error::StepResult;
 use crate::lsn::Lsn;
 
-/// Facts event recording where a stream without a bootstrap started.
-pub const EVENT_STREAM_START: &str = "stream_start";
+pub use super::rules::{generation_of, makes_generation_live, EVENT_STREAM_START};
 
 /// What the facts and bronze say about one stream.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -84,7 +90,7 @@ impl StreamState {
             .filter(|r| r.event.is_none() && r.batch_id.is_some())
             .max_by_key(|r| r.batch_id)
             .cloned();
-        let open_snapshots: Vec<Lsn> = super::chunked::snapshot_holding_mode(rows, min_lsn).map(|o| o.s).into_iter().collect();
+        let open_snapshots: Vec<Lsn> = super::rules::snapshot_holding_mode(rows, min_lsn).map(|o| o.s).into_iter().collect();
         StreamState {
             generation,
             generation_app_id: super::generation_app_id(app_id, generation),
@@ -119,28 +125,6 @@ impl StreamState {
     }
 }
 
-/// The current generation: the highest a live row names (0 for a new stream).
-///
-/// A generation becomes live at its commit point: its completed snapshot
-/// (`bootstrap`/`resnapshot`), its chunked open (the stream starts at S at
-/// once), its recorded start, or a batch. A full re-snapshot's open row names
-/// the generation it is taken for but does not make it live: until its
-/// completion row the stream stays where it was, so a crash repeats the
-/// recovery from the recorded start.
-pub fn generation_of(rows: &[FactRow]) -> i32 {
-    rows.iter().filter(|r| makes_generation_live(r)).map(|r| r.generation).max().unwrap_or(0)
-}
-
-/// Whether a row marks its generation as the stream's live one (see [`generation_of`]).
-pub fn makes_generation_live(r: &FactRow) -> bool {
-    match r.event.as_deref() {
-        None => true,
-        Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT) | Some(EVENT_STREAM_START) => true,
-        Some(EVENT_SNAPSHOT_OPEN) => r.detail.as_ref().and_then(|d| d.get("mode")).and_then(serde_json::Value::as_str) == Some("chunked"),
-        _ => false,
-    }
-}
-
 /// Reads this app id's facts rows.
 pub async fn facts_rows(facts: &deltalake::DeltaTable, app_id: &str) -> StepResult<Vec<FactRow>> {
     let batches = delta::query(facts, &format!("SELECT * FROM t WHERE app_id = {}", sql_str(app_id))).await?;
@@ -148,7 +132,7 @@ pub async fn facts_rows(facts: &deltalake::DeltaTable, app_id: &str) -> StepResu
 }
 
 /// Loads the stream's state (reloading both tables first).
-pub async fn load(ctx: &mut super::Context) -> StepResult<StreamState> {
+pub async fn load(ctx: &mut Context) -> StepResult<StreamState> {
     ctx.facts.update_state().await.map_err(crate::error::StepError::delta(&ctx.workflow.target.facts))?;
     // The facts are read before bronze, so a batch another call commits in
     // between shows as bronze ahead of the facts (never the other way
@@ -163,6 +147,18 @@ pub async fn load(ctx: &mut super::Context) -> StepResult<StreamState> {
     let bronze_batch = delta::txn_version(&ctx.bronze, &gen_app).await?;
     let min_lsn = ctx.source.min_lsn(&ctx.instance.name).await?;
     Ok(StreamState::derive_with_cleanup(&ctx.workflow.app_id, &rows, bronze_batch, min_lsn))
+}
+
+/// Appends facts rows with a txn (their summary in the commit metadata).
+pub async fn append_facts(ctx: &mut Context, rows: Vec<FactRow>, txn: &Txn) -> StepResult<Appended> {
+    let meta = json!({"facts": facts::summary(&rows), "app_id": ctx.workflow.app_id});
+    delta::append_batches(&mut ctx.facts, vec![facts::to_batch(&rows)], facts::schema(), txn, meta).await
+}
+
+/// Appends facts rows without a txn (events written once per attempt, such as a full snapshot's open).
+pub async fn append_facts_untracked(ctx: &mut Context, rows: Vec<FactRow>) -> StepResult<()> {
+    let meta = json!({"facts": facts::summary(&rows), "app_id": ctx.workflow.app_id});
+    delta::append_untracked(&mut ctx.facts, vec![facts::to_batch(&rows)], meta).await
 }
 
 #[cfg(test)]

@@ -68,53 +68,17 @@
 //!   `seed` fits the copy to the stream's instance's columns, the ones
 //!   bronze holds.
 //!
-//! # A snapshot opened by the switch (adr-0028 Amendment 5)
-//!
-//! With `snapshot.mode = "chunked"` and `snapshot.snapshot_on_switch = true`
-//! the stream, after committing the batch that first reads a newer instance,
-//! opens a chunked snapshot in the running generation at that instance's
-//! start LSN S ([`ensure_open_on_switch`]). Why S and not max LSN: the chunks
-//! are stamped at or after the stream's position, which is past S, so every
-//! chunk row ranks above the new instance's changes it already reflects, and
-//! the rebuild takes "the rows of S and the changes after S", which bronze
-//! holds without a gap since the switch batch read from S. And since S is
-//! below the stream's position, opening never moves the position (adr-0028
-//! Amendment 2): the stream goes on from its switch batch.
-//!
-//! It is one more chunked open to every other step: the newest open of the
-//! generation, so `chunked::open_chunked` (and through it
-//! `snapshot_holding_mode`, `backfill`, `apply`, `status`) takes it, and it
-//! supersedes an open still being read (its completion at S covers every
-//! older S). `backfill` reads it with the new instance's columns and ends it
-//! with a `bootstrap` row; `apply` takes its waves, then rebuilds from it.
-//!
-//! What differs is its txn keys. The generation's keys (`#snapshots` and
-//! `#events`, version = generation) may already hold the generation's own
-//! open and completion, so this open is keyed by S: plans `<app>#snapopen.<S>`
-//! (as any open), facts `<app>#snapopen.<S>` and the completion
-//! `<app>#snapdone.<S>`, both at the switch batch's id, which the open row
-//! records (`switch_batch_id`) so that `backfill` picks the completion key.
-//!
-//! Crash safety: the open is its own two commits after the batch's, each
-//! followed by a failpoint (`switch.after_open_plans`, `switch.after_open`).
-//! Which switch still needs its open is derived from the facts alone
-//! ([`switch_to_open`]: the generation's newest switch row without a chunked
-//! open at or after its S), so a rerun after a crash anywhere in between
-//! opens it exactly once. Its checks (the keys cut on the new instance, no
-//! full snapshot holding the mode) run before the switch batch too
-//! ([`check_open_on_switch`]), so a bad configuration stops the stream
-//! before it writes the batch rather than after.
+//! A chunked snapshot opened by the switch (adr-0028 Amendment 5,
+//! `snapshot.snapshot_on_switch`) is the snapshot lane's business: see
+//! `engine::chunked::on_switch`, which reads this module's rules.
 
 use deltalake::kernel::StructField;
 use serde_json::json;
 
-use super::chunked::{self, Mode, OpenPayload, OpenResult};
-use super::state::{self, generation_of, makes_generation_live};
+use super::rules::{generation_of, makes_generation_live};
+use super::state;
 use super::Context;
-use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_CAPTURE_INSTANCE_SWITCHED, EVENT_SCHEMA_CHANGE, EVENT_SNAPSHOT_OPEN};
-use crate::delta::plans::PlanRow;
-use crate::failpoint;
-use crate::workflow::SnapshotMode;
+use crate::delta::facts::{FactRow, EVENT_CAPTURE_INSTANCE_SWITCHED, EVENT_SCHEMA_CHANGE};
 use crate::delta::{self, bronze, TableKind};
 use crate::error::{StepError, StepResult};
 use crate::lsn::Lsn;
@@ -276,115 +240,6 @@ pub async fn switch(ctx: &mut Context, generation: i32, to: CaptureInstance) -> 
     Ok(events)
 }
 
-/// Whether the workflow opens a snapshot after each switch.
-pub fn opens_on_switch(ctx: &Context) -> bool {
-    let o = &ctx.workflow.snapshot;
-    o.snapshot_on_switch && o.mode == SnapshotMode::Chunked && ctx.workflow.table.capture_instance.is_none()
-}
-
-/// The switch whose snapshot is not opened yet, as (S, switch batch id): the
-/// current generation's newest `capture_instance_switched` row, unless a
-/// chunked open of the generation is at or after its S or a completed
-/// snapshot covers it (pure; see the module docs).
-pub fn switch_to_open(rows: &[FactRow]) -> Option<(Lsn, i64)> {
-    let generation = generation_of(rows);
-    let newest = rows
-        .iter()
-        .filter(|r| r.generation == generation && r.event.as_deref() == Some(EVENT_CAPTURE_INSTANCE_SWITCHED))
-        .filter_map(|r| Some((r.min_lsn?, r.batch_id?)))
-        .max()?;
-    let s = newest.0;
-    let opened = rows
-        .iter()
-        .filter(|r| r.generation == generation && r.event.as_deref() == Some(EVENT_SNAPSHOT_OPEN))
-        .filter(|r| r.detail.as_ref().and_then(|d| d.get("mode")).and_then(serde_json::Value::as_str) == Some("chunked"))
-        .filter_map(|r| r.min_lsn)
-        .any(|o| o >= s);
-    (!opened && !chunked::is_completed(rows, s)).then_some(newest)
-}
-
-/// The checks of a switch's open, made before the batch that switches to
-/// `to`: no full snapshot holds the mode, and the chunks can be cut on the
-/// keys as `to` captures them. Nothing is written.
-pub async fn check_open_on_switch(ctx: &mut Context, to: &CaptureInstance) -> StepResult<()> {
-    let rows = state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
-    let min = ctx.source.min_lsn(&ctx.instance.name).await?;
-    if let Some(full) = chunked::full_holding_mode(&rows, min) {
-        return Err(chunked::mode_conflict(&full, Mode::Chunked));
-    }
-    let on = std::mem::replace(&mut ctx.instance, to.clone());
-    let keys = ctx.snapshot_keys();
-    let checked = chunked::check_keys(ctx, &keys);
-    ctx.instance = on;
-    checked.map(|_| ()).map_err(|e| match e {
-        StepError::Config(m) => StepError::Config(format!(
-            "snapshot.snapshot_on_switch = true, and the snapshot the switch to capture instance '{}' opens cannot start: {m}. \
-             Nothing was written",
-            to.name
-        )),
-        other => other,
-    })
-}
-
-/// Opens the snapshot of the stream's newest switch if it has none yet
-/// (adr-0028 Amendment 5; see the module docs). Call with `ctx.instance` on
-/// the stream's instance. Returns None when there is nothing to open.
-pub async fn ensure_open_on_switch(ctx: &mut Context) -> StepResult<Option<OpenResult>> {
-    if !opens_on_switch(ctx) {
-        return Ok(None);
-    }
-    let app = ctx.workflow.app_id.clone();
-    let rows = state::facts_rows(&ctx.facts, &app).await?;
-    let Some((s, switch_batch_id)) = switch_to_open(&rows) else { return Ok(None) };
-    let generation = generation_of(&rows);
-    let min = ctx.source.min_lsn(&ctx.instance.name).await?;
-    if let Some(full) = chunked::full_holding_mode(&rows, min) {
-        return Err(chunked::mode_conflict(&full, Mode::Chunked));
-    }
-    let keys = ctx.snapshot_keys();
-    chunked::check_keys(ctx, &keys)?;
-    let iso = ctx.workflow.snapshot.isolation;
-    let table = ctx.workflow.table_name();
-    let extent = ctx.source.key_extent(&table, &keys, iso).await?;
-    let payload = OpenPayload {
-        keys: keys.clone(),
-        min: extent.as_ref().map(|e| e.0.clone()),
-        max: extent.map(|e| e.1),
-        kind: EVENT_BOOTSTRAP.to_string(),
-        generation,
-    };
-    let mut plans_table = chunked::open_plans(ctx).await?;
-    let prow = PlanRow {
-        app_id: app.clone(),
-        snapshot: s,
-        event: EVENT_SNAPSHOT_OPEN.into(),
-        wave: None,
-        chunk: None,
-        detail: serde_json::to_value(&payload).map_err(|e| StepError::Internal(e.to_string()))?,
-        recorded_at: Some(chrono::Utc::now()),
-    };
-    chunked::append_plans(&mut plans_table, &app, vec![prow], &chunked::txn_open_plans(&app, s)).await?;
-    failpoint!("switch.after_open_plans");
-    let mut row = ctx.fact_row(generation);
-    row.event = Some(EVENT_SNAPSHOT_OPEN.into());
-    row.min_lsn = Some(s);
-    row.max_lsn = Some(s);
-    row.commit_ts = ctx.commit_time(s).await?;
-    row.detail = Some(json!({
-        "mode": "chunked",
-        "kind": EVENT_BOOTSTRAP,
-        "generation": generation,
-        "isolation": iso,
-        "switch_batch_id": switch_batch_id,
-    }));
-    let appended = chunked::append_facts_rows(&mut ctx.facts, &app, vec![row], &chunked::txn_switch_open_facts(&app, s, switch_batch_id)).await?;
-    failpoint!("switch.after_open");
-    let opened_now = !matches!(appended, delta::Appended::AlreadyApplied { .. });
-    tracing::info!(snapshot = %s, generation, switch_batch_id, instance = %ctx.instance.name, keys = ?keys,
-        "chunked snapshot opened after the capture instance switch: backfill reads the table with the new instance's columns");
-    Ok(Some(OpenResult { step: "snapshot", mode: "chunked", snapshot_lsn: s, generation, opened_now, completed: false }))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -464,6 +319,7 @@ mod tests {
     #[test]
     fn the_newest_switch_without_an_open_at_or_after_its_start_is_the_one_to_open() {
         use crate::delta::facts::EVENT_SNAPSHOT_OPEN;
+        use crate::engine::rules::{switch_batch_of, switch_to_open};
         let mut open = fact(0, Some(EVENT_SNAPSHOT_OPEN), None, "v1", 10);
         open.detail = Some(json!({"mode": "chunked", "kind": "bootstrap"}));
         let mut rows = vec![open, fact(0, None, Some(0), "v1", 49)];
@@ -479,7 +335,7 @@ mod tests {
         let mut opened = rows.clone();
         opened.push(on_switch.clone());
         assert_eq!(switch_to_open(&opened), None);
-        assert_eq!(chunked::switch_batch_of(&on_switch), Some(1));
+        assert_eq!(switch_batch_of(&on_switch), Some(1));
         // A full open's row does not count as the switch's open.
         let mut full = on_switch.clone();
         full.detail = Some(json!({"mode": "full", "kind": "bootstrap"}));

@@ -16,7 +16,8 @@ use deltalake::DeltaTable;
 use futures::StreamExt;
 use serde_json::{json, Value};
 
-use super::{ident, key_match, plan_rows, txn_merge, waves_in_facts, Action, Decision};
+use super::decide::{txn_merge, waves_in_facts, Action, Decision};
+use super::sql::{ident, key_match};
 use crate::delta::control::ControlRow;
 use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT, EVENT_SNAPSHOT_OPEN};
 use crate::delta::{self, bronze, silver, sql_str};
@@ -169,7 +170,7 @@ fn opened_chunked(facts: &[FactRow], s: Lsn) -> bool {
 /// The chunks of snapshot `s` the facts record, up to wave `upto` (None: all), with the open's keys.
 async fn chunked_base(ctx: &Context, facts: &[FactRow], s: Lsn, upto: Option<i64>, under: Base) -> StepResult<Base> {
     let app = &ctx.workflow.app_id;
-    let prows = plan_rows(ctx, app, s).await?;
+    let prows = crate::engine::chunked::plan_rows_if_any(ctx, app, s).await?;
     let mut read = Vec::new();
     for (w, cs) in waves_in_facts(facts, s).into_iter().filter(|(w, _)| upto.is_none_or(|u| *w <= u)) {
         for c in cs {

@@ -16,10 +16,10 @@ use super::open::ensure_bootstrap_open;
 use super::planning::{ensure_plan, keyset_shape, same_columns, SourceKeys};
 use super::reader::{ChunkReader, Coordinator, ReadEvent};
 use super::tables::{open_plans, payload_of, plan_rows};
-use super::wave::{chunks_from_bronze, GapCheck, Sink, WaveRead};
-use super::{
-    chunked_of_generation, full_holding_mode, is_completed, mode_conflict, open_chunked, progress, refuse_over_stream_gap, switch_batch_of,
-    txn_completion, txn_switch_done, txn_wave_bronze, txn_wave_rows, ChunkPayload, Mode, OpenPayload, PlannedChunk, EVENT_SNAPSHOT_CHUNK,
+use super::wave::{chunks_from_bronze, refuse_over_stream_gap, GapCheck, Sink, WaveRead};
+use crate::engine::rules::{
+    chunked_of_generation, full_holding_mode, is_completed, mode_conflict, open_chunked, progress, switch_batch_of, txn_completion,
+    txn_switch_done, txn_wave_bronze, txn_wave_rows, ChunkPayload, Gap, Mode, OpenPayload, PlannedChunk, EVENT_SNAPSHOT_CHUNK,
 };
 use crate::delta::facts::EVENT_SNAPSHOT_OPEN;
 use crate::delta::{self, plans, Txn};
@@ -119,7 +119,7 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
             open_payload.keys.iter().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(", ")
         )));
     }
-    let plan = ensure_plan(ctx, &mut plans_table, &o, &open_payload, &rows, args, isolation).await?;
+    let plan = ensure_plan(ctx, &mut plans_table, &o, &open_payload, &rows, args.chunk_rows, isolation).await?;
     result.chunks_total = plan.chunk_count;
 
     // Reload after planning: the facts now hold every row this call relies on.
@@ -131,7 +131,7 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
     // A re-snapshot's completion carries the gap its open recorded; a
     // switch's open names the batch its completion's txn is keyed by.
     let open_row = rows.iter().find(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_OPEN) && r.min_lsn == Some(o.s) && r.generation == o.generation);
-    let gap = open_row.map(|r| crate::engine::snapshot::Gap { lost_from_ts: r.lost_from_ts, lost_to_ts: r.lost_to_ts }).unwrap_or_default();
+    let gap = open_row.map(|r| Gap { lost_from_ts: r.lost_from_ts, lost_to_ts: r.lost_to_ts }).unwrap_or_default();
     let completion_txn = match open_row.and_then(switch_batch_of) {
         Some(b) => txn_switch_done(&app, o.s, b),
         None => txn_completion(&app, o.generation),

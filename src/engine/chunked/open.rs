@@ -8,7 +8,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::tables::{append_facts_rows, append_plans, open_plans};
-use super::{chunked_of_generation, full_holding_mode, is_completed, mode_conflict, txn_open_facts, txn_open_plans, Mode, OpenPayload};
+use crate::engine::rules::{chunked_of_generation, full_holding_mode, is_completed, mode_conflict, txn_open_facts, txn_open_plans, Mode, OpenPayload};
 use crate::delta::facts::{EVENT_BOOTSTRAP, EVENT_RESNAPSHOT, EVENT_SNAPSHOT_OPEN};
 use crate::delta::plans::PlanRow;
 use crate::delta::Appended;
@@ -74,7 +74,7 @@ pub async fn ensure_open(ctx: &mut Context, kind: &str, generation: i32) -> Step
 
 /// [`ensure_open`] for a re-snapshot: its open row (and later its
 /// completion row) carries the data-loss gap it closes.
-pub async fn ensure_open_with_gap(ctx: &mut Context, kind: &str, generation: i32, gap: Option<crate::engine::snapshot::Gap>) -> StepResult<OpenResult> {
+pub async fn ensure_open_with_gap(ctx: &mut Context, kind: &str, generation: i32, gap: Option<crate::engine::rules::Gap>) -> StepResult<OpenResult> {
     // The chunks are read with this instance's columns: bronze must hold them
     // all (it may be older than the instance; see stream::run).
     let instance = ctx.instance.clone();

@@ -10,9 +10,8 @@ use chrono::Utc;
 use deltalake::DeltaTable;
 use serde_json::{json, Value};
 
-use super::backfill::BackfillArgs;
 use super::tables::{append_facts_rows, append_plans, payload_of, plan_rows};
-use super::{txn_plan, OpenPayload, Opened, PlanPayload, PlannedChunk, EVENT_SNAPSHOT_PLAN};
+use crate::engine::rules::{txn_plan, OpenPayload, Opened, PlanPayload, PlannedChunk, EVENT_SNAPSHOT_PLAN};
 use crate::delta::facts::FactRow;
 use crate::delta::plans::{self, PlanRow};
 use crate::engine::plan::{self as planner, KeyCounter, KeySeeker, KeysetShape};
@@ -133,13 +132,15 @@ fn open_above_for_a_heap(ctx: &Context, mut plan: PlanPayload) -> PlanPayload {
 }
 
 /// Reads the plan, making it on the first call (plans row, read back, facts row).
+/// `chunk_rows_asked` is the call's `--chunk-rows`, which sizes a new plan
+/// only: a recorded plan stays as it is.
 pub(super) async fn ensure_plan(
     ctx: &mut Context,
     plans_table: &mut DeltaTable,
     o: &Opened,
     open: &OpenPayload,
     facts_rows: &[FactRow],
-    args: &BackfillArgs,
+    chunk_rows_asked: Option<u64>,
     isolation: Isolation,
 ) -> StepResult<PlanPayload> {
     let app = ctx.workflow.app_id.clone();
@@ -151,7 +152,7 @@ pub(super) async fn ensure_plan(
     let rows = plan_rows(plans_table, &app, o.s).await?;
     if has_facts_plan {
         let plan: PlanPayload = payload_of(&rows, EVENT_SNAPSHOT_PLAN, "plan", &location)?;
-        if let Some(n) = args.chunk_rows.filter(|n| *n != plan.chunk_rows) {
+        if let Some(n) = chunk_rows_asked.filter(|n| *n != plan.chunk_rows) {
             tracing::warn!(asked = n, planned = plan.chunk_rows, "--chunk-rows is ignored: the snapshot's chunks were planned by its first backfill call and stay fixed");
         }
         return Ok(plan);
@@ -160,7 +161,7 @@ pub(super) async fn ensure_plan(
         // A call stopped between the plans row and the facts row: that plan is the one.
         Some(r) => serde_json::from_value(r.detail.clone()).map_err(|e| StepError::Internal(format!("plan row: {e}")))?,
         None => {
-            let chunk_rows = args.chunk_rows.unwrap_or(ctx.workflow.snapshot.chunk_rows).max(1);
+            let chunk_rows = chunk_rows_asked.unwrap_or(ctx.workflow.snapshot.chunk_rows).max(1);
             let started = Instant::now();
             let plan = open_above_for_a_heap(ctx, compute_plan(ctx, open, chunk_rows, isolation).await?);
             tracing::info!(snapshot = %o.s, chunks = plan.chunk_count, kind = %plan.kind, ms = started.elapsed().as_millis() as u64, "planned the chunked snapshot");

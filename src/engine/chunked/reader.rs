@@ -15,7 +15,7 @@ use futures::StreamExt;
 use tokio::sync::Mutex;
 
 use super::planning::SourceKeys;
-use super::{rounds_for_wave, PlannedChunk};
+use crate::engine::rules::{rounds_for_wave, PlannedChunk};
 use crate::delta::bronze::{self, SnapshotStamp};
 use crate::delta::{self, sql_str};
 use crate::engine::plan::{self as planner, KeysetShape};

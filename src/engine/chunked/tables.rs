@@ -38,6 +38,16 @@ pub(crate) async fn append_facts_rows(table: &mut DeltaTable, app: &str, rows: V
     delta::append_batches(table, vec![facts::to_batch(&rows)], facts::schema(), txn, meta).await
 }
 
+/// The plans rows of snapshot `s`, read without creating the plans table
+/// (none when it does not exist). `apply` reads them after the facts, so
+/// every facts row finds its plans row.
+pub(crate) async fn plan_rows_if_any(ctx: &Context, app: &str, s: Lsn) -> StepResult<Vec<PlanRow>> {
+    let location = plans::location_for(&ctx.workflow.target.bronze);
+    let Some(table) = delta::open_existing(&location, &ctx.storage).await? else { return Ok(vec![]) };
+    let batches = delta::query(&table, &format!("SELECT * FROM t WHERE app_id = {} AND snapshot = {}", sql_str(app), sql_str(&s.to_hex()))).await?;
+    plans::from_batches(&batches)
+}
+
 /// The plans rows of snapshot `s`.
 pub(super) async fn plan_rows(table: &mut DeltaTable, app: &str, s: Lsn) -> StepResult<Vec<PlanRow>> {
     table.update_state().await.map_err(StepError::delta(table.table_url().to_string()))?;

@@ -11,7 +11,7 @@ use deltalake::DeltaTable;
 use serde_json::{json, Value};
 
 use super::tables::{append_facts_rows, append_plans, plan_rows};
-use super::{is_completed, refuse_over_stream_gap, txn_wave_bronze, txn_wave_rows, ChunkPayload, Opened, PlanPayload, EVENT_SNAPSHOT_CHUNK};
+use crate::engine::rules::{is_completed, txn_completion, txn_switch_done, txn_wave_bronze, txn_wave_rows, ChunkPayload, Gap, Opened, PlanPayload, EVENT_SNAPSHOT_CHUNK};
 use crate::delta::bronze;
 use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT};
 use crate::delta::plans::PlanRow;
@@ -21,6 +21,53 @@ use crate::error::{StepError, StepResult};
 use crate::failpoint;
 use crate::lsn::Lsn;
 use crate::source::SharedSource;
+
+/// Refuses to go on with (and so to complete) the chunked snapshot `open`
+/// when the stream of its generation has a gap after S: the changes right
+/// after the stream's position were purged by CDC cleanup. Bronze can then
+/// never hold every change after S (P3), so adr-0028 gives the snapshot up
+/// and a newer one replaces it: the stream's recovery opens it in the next
+/// generation (`on_data_loss = "resnapshot"`, adr-0018's Amendment), and
+/// this one never completes. A completion written over the gap would be
+/// taken by `apply` and `reconcile` for a whole image of the table.
+/// With "resnapshot" the call is for later (exit 75, after `stream`); with
+/// "fail" or "skip" (which a chunked snapshot refuses) a person decides.
+pub async fn refuse_over_stream_gap(
+    source: &SharedSource,
+    instance: &str,
+    rows: &[FactRow],
+    open: &Opened,
+    on_data_loss: crate::workflow::OnDataLoss,
+    workflow: &std::path::Path,
+) -> StepResult<()> {
+    let st = state::StreamState::derive("", rows, None);
+    let Some(position) = st.position() else { return Ok(()) };
+    let min = source.min_lsn(instance).await?;
+    let max = source.max_lsn().await?;
+    if !crate::engine::rules::is_purged_after(position, min, max) {
+        return Ok(());
+    }
+    let min = min.expect("a purged range has a min LSN");
+    let wf = workflow.display();
+    let head = format!(
+        "the stream of generation {} stands at {position} and the changes after it were purged by CDC cleanup (capture instance \
+         '{instance}', min LSN now {min}): the chunked snapshot opened at {} can never hold every change after its start, so \
+         backfill does not complete it (nothing was written)",
+        open.generation, open.s
+    );
+    Err(match on_data_loss {
+        crate::workflow::OnDataLoss::Resnapshot => StepError::Temporary(format!(
+            "{head}. Call `mssql-cdc --workflow {wf} stream`: with stream.on_data_loss = \"resnapshot\" it recovers with a newer \
+             snapshot in generation {}, which backfill then reads",
+            open.generation + 1
+        )),
+        _ => StepError::NeedsPerson(format!(
+            "{head}. Set stream.on_data_loss = \"resnapshot\" and call `mssql-cdc --workflow {wf} stream`: it recovers with a \
+             newer snapshot in generation {}, which replaces this one and which backfill then reads",
+            open.generation + 1
+        )),
+    })
+}
 
 /// A wave read and ready to commit.
 pub(super) struct WaveRead {
@@ -40,9 +87,9 @@ pub(super) struct Sink {
     pub(super) kind: String,
     pub(super) header: FactRow,
     /// The data-loss gap a re-snapshot closes (on its completion row only).
-    pub(super) gap: crate::engine::snapshot::Gap,
+    pub(super) gap: Gap,
     /// The completion row's txn: the generation's, or for a snapshot opened
-    /// after a switch the one keyed by its S (see [`txn_switch_done`](super::txn_switch_done)).
+    /// after a switch the one keyed by its S (see [`txn_switch_done`]).
     pub(super) completion_txn: Txn,
     pub(super) bronze: DeltaTable,
     pub(super) facts: DeltaTable,
@@ -346,8 +393,11 @@ mod tests {
 
     use super::*;
     use crate::delta::TableKind;
-    use crate::engine::chunked::tests::lsn;
-    use crate::engine::chunked::PlannedChunk;
+        use crate::engine::rules::PlannedChunk;
+
+    fn lsn(n: u128) -> Lsn {
+        Lsn::from_u128(n)
+    }
     use crate::source::Isolation;
     use crate::types::{SqlType, SqlValue};
 

@@ -1,0 +1,168 @@
+//! What one `apply` does, decided from silver's last control row and the
+//! stream's facts rows alone (pure): rebuild from a completed snapshot,
+//! apply an open chunked snapshot's new waves, apply the changes since the
+//! last apply, or nothing; and the control row that records it. The txn ids
+//! of its two commits live here too, so `heap` and the step share them
+//! without importing the step.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::delta::control::ControlRow;
+use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT};
+use crate::delta::Txn;
+use crate::engine::rules::{self, EVENT_SNAPSHOT_CHUNK};
+use crate::engine::state::StreamState;
+use crate::lsn::Lsn;
+
+/// What one `apply` does (decided by [`decide`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Action {
+    /// Rebuild from the rows of completed snapshot S and the changes after it, deleting by absence.
+    Rebuild { snapshot: Lsn },
+    /// Apply these waves of the open chunked snapshot S: their chunk rows
+    /// with the changes after S of the chunk rows' keys, and every key's
+    /// changes after `after` (what silver applied; None: all of them).
+    Waves { snapshot: Lsn, waves: Vec<i64>, after: Option<Lsn> },
+    /// Apply the changes after `after` (None: all of them).
+    Changes { after: Option<Lsn> },
+    /// Nothing new.
+    Nothing,
+}
+
+/// The decision of one apply: the action, up to which LSN, and the control row it leads to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub action: Action,
+    /// The stream's position: the newest LSN the facts say bronze holds.
+    pub to: Option<Lsn>,
+    /// The control row to write once the MERGE is in (metrics filled then).
+    pub next: ControlRow,
+}
+
+/// Silver's MERGE txn: one version per apply.
+pub fn txn_merge(app: &str, seq: i64) -> Txn {
+    Txn::new(format!("{app}#silver"), seq)
+}
+
+/// The control row's txn.
+pub fn txn_control(app: &str, seq: i64) -> Txn {
+    Txn::new(format!("{app}#control"), seq)
+}
+
+/// The newest completed snapshot (any generation): S of the newest `bootstrap` or `resnapshot` row.
+pub fn newest_completed(facts: &[FactRow]) -> Option<Lsn> {
+    facts
+        .iter()
+        .filter(|r| matches!(r.event.as_deref(), Some(EVENT_BOOTSTRAP) | Some(EVENT_RESNAPSHOT)))
+        .filter_map(|r| r.max_lsn)
+        .max()
+}
+
+/// The chunked snapshot open now, if its S is newer than every completed one.
+pub fn open_chunked(facts: &[FactRow]) -> Option<Lsn> {
+    let o = rules::open_chunked(facts)?;
+    match newest_completed(facts) {
+        Some(c) if c >= o.s => None,
+        _ => Some(o.s),
+    }
+}
+
+/// The waves of snapshot `s` that have facts rows, with their chunks.
+pub fn waves_in_facts(facts: &[FactRow], s: Lsn) -> BTreeMap<i64, BTreeSet<i64>> {
+    let hex = s.to_hex();
+    let mut out: BTreeMap<i64, BTreeSet<i64>> = BTreeMap::new();
+    for r in facts.iter().filter(|r| r.event.as_deref() == Some(EVENT_SNAPSHOT_CHUNK)) {
+        let Some(d) = &r.detail else { continue };
+        if d.get("snapshot").and_then(Value::as_str) != Some(hex.as_str()) {
+            continue;
+        }
+        if let (Some(c), Some(w)) = (d.get("chunk").and_then(Value::as_i64), d.get("wave").and_then(Value::as_i64)) {
+            out.entry(w).or_default().insert(c);
+        }
+    }
+    out
+}
+
+/// Decides what one apply does (pure): from silver's last control row and
+/// this app id's facts rows, not knowing where CDC cleanup is (see
+/// [`decide_with_cleanup`]).
+pub fn decide(app: &str, last: Option<&ControlRow>, facts: &[FactRow]) -> Decision {
+    decide_with_cleanup(app, last, facts, None)
+}
+
+/// [`decide`] with the capture instance's min LSN. A full snapshot holds
+/// the verdict (no rows to apply before its completion, but the verdict
+/// waits for it) by the rule every step uses,
+/// `engine::rules::full_holding_mode`: once cleanup has passed its S it
+/// can never complete, and a verdict held for it would stay held forever
+/// while `status`, `seed` and the snapshot steps already count it as dead.
+pub fn decide_with_cleanup(app: &str, last: Option<&ControlRow>, facts: &[FactRow], min_lsn: Option<Lsn>) -> Decision {
+    let st = StreamState::derive(app, facts, None);
+    let seq = last.map(|c| c.seq + 1).unwrap_or(0);
+    let completed = newest_completed(facts);
+    let open = open_chunked(facts);
+    let held = open.is_some() || rules::full_holding_mode(facts, min_lsn).is_some();
+    let applied = last.and_then(|c| c.applied_lsn);
+    let mut to = st.position();
+    if let Some(c) = completed {
+        to = to.max(Some(c));
+    }
+    let prev_final = last.and_then(|c| c.finalized_until);
+    let mut next = ControlRow {
+        app_id: app.to_string(),
+        seq,
+        applied_lsn: to.max(applied),
+        snapshot_lsn: last.and_then(|c| c.snapshot_lsn),
+        open_snapshot_lsn: open,
+        snapshot_wave: None,
+        finalized_until: if held { prev_final } else { to.max(applied) },
+        action: String::new(),
+        ..Default::default()
+    };
+    let built_from = last.and_then(|c| c.snapshot_lsn);
+    if let Some(c) = completed.filter(|c| built_from.is_none_or(|b| b < *c)) {
+        next.snapshot_lsn = Some(c);
+        next.action = "rebuild".into();
+        return Decision { action: Action::Rebuild { snapshot: c }, to, next };
+    }
+    if let Some(s) = open {
+        let done = last.filter(|c| c.open_snapshot_lsn == Some(s)).and_then(|c| c.snapshot_wave);
+        next.snapshot_wave = done;
+        let waves: Vec<i64> = waves_in_facts(facts, s).into_keys().filter(|w| done.is_none_or(|d| *w > d)).collect();
+        if let Some(&newest) = waves.last() {
+            next.snapshot_wave = Some(newest);
+            next.action = "waves".into();
+            // The changes silver has not applied yet (every key), and, with
+            // the chunk rows, the changes after S of their own keys that it
+            // has ([`wave_source_sql`]): a chunk row never brings back a key
+            // deleted after its stamp.
+            return Decision { action: Action::Waves { snapshot: s, waves, after: applied }, to, next };
+        }
+    }
+    match (to, applied) {
+        (Some(t), Some(a)) if t <= a => {
+            next.action = "position".into();
+            let same = last.is_some_and(|c| {
+                c.finalized_until == next.finalized_until && c.open_snapshot_lsn == next.open_snapshot_lsn && c.snapshot_wave == next.snapshot_wave
+            });
+            if same {
+                Decision { action: Action::Nothing, to, next }
+            } else {
+                // Only the verdict or the open snapshot moved: a control row, no MERGE.
+                Decision { action: Action::Changes { after: Some(a) }, to, next }
+            }
+        }
+        (None, _) => {
+            next.action = "position".into();
+            Decision { action: Action::Nothing, to, next }
+        }
+        (Some(_), a) => {
+            next.action = "changes".into();
+            Decision { action: Action::Changes { after: a }, to, next }
+        }
+    }
+}
