@@ -2385,9 +2385,20 @@ fn hex_lsns(text: &str) -> String {
     parts.join(" | ")
 }
 
+/// Where the stream's changes start (exclusive): the first snapshot open's
+/// S or, for a stream without a snapshot, its recorded start's position.
 async fn snapshot_lsn_from_facts(facts: &str) -> Result<Lsn, String> {
     let t = delta::open_existing(facts, &Default::default()).await.map_err(|e| e.to_string())?.ok_or("facts was never created")?;
-    let b = delta::query(&t, "SELECT MIN(min_lsn) AS s FROM t WHERE event = 'snapshot_open'").await.map_err(|e| e.to_string())?;
-    let v = b.first().and_then(|b| texts(b, &["s".to_string()]).ok()).and_then(|v| v.into_iter().next()).ok_or("facts hold no snapshot open")?;
-    Lsn::parse(&v).map_err(|e| format!("facts' snapshot LSN {v}: {e}"))
+    for sql in [
+        "SELECT MIN(min_lsn) AS s FROM t WHERE event = 'snapshot_open'",
+        "SELECT MIN(max_lsn) AS s FROM t WHERE event = 'stream_start'",
+    ] {
+        let b = delta::query(&t, sql).await.map_err(|e| e.to_string())?;
+        let v = b.first().and_then(|b| texts(b, &["s".to_string()]).ok()).and_then(|v| v.into_iter().next());
+        match v {
+            Some(v) if !v.starts_with('\u{2400}') => return Lsn::parse(&v).map_err(|e| format!("facts' start LSN {v}: {e}")),
+            _ => continue,
+        }
+    }
+    Err("facts hold neither a snapshot open nor a stream start".into())
 }

@@ -224,6 +224,21 @@ fn restore_targets(dir: &Path, from: &Path) {
 // ---------------------------------------------------------------------------
 // The driver: the clean run, and the crashes at each of its calls.
 
+/// One act of a scripted run ([`Driver::run_script`]).
+enum Act {
+    /// The writer makes [`WRITES`] transactions and the capture job takes them.
+    Write,
+    /// The stream stops past the retention (`common::pass_the_retention`).
+    PassRetention { days: u32 },
+    /// `step <name>`, which must be what the machine names next, cut at a
+    /// failpoint that leaves the named state when given.
+    Call { name: &'static str, cut: Option<(&'static str, &'static str)> },
+}
+
+const fn call(name: &'static str) -> Act {
+    Act::Call { name, cut: None }
+}
+
 struct Driver {
     rt: Runtime,
     s: Scenario,
@@ -322,16 +337,44 @@ impl Driver {
             if here.next() == "idle" {
                 return;
             }
-            self.call(k, here);
+            let cut = (here.next() == "wave" && completes_snapshot(&here)).then_some((CUT, "chunks_read"));
+            self.call(k, here, cut);
         }
         panic!("the scenario did not end in 30 calls; it ran {:?}", self.ran);
     }
 
-    /// Clean call `k`: its block of the log, then its crashes.
-    fn call(&mut self, k: usize, before: Where) {
+    /// A scripted run: each act in order, every call checked to be the one
+    /// the machine names next, ending with both lanes idle.
+    fn run_script(&mut self, script: &[Act]) {
+        for (k, act) in script.iter().enumerate() {
+            match *act {
+                Act::Write => {
+                    self.s.changes(WRITES);
+                    common::settle(&self.s.db);
+                    self.log.push(format!("writer: {WRITES} transactions, captured"));
+                }
+                Act::PassRetention { days } => {
+                    common::pass_the_retention(&mut self.s, days);
+                    self.log.push(format!("the stream stops; writes; {days} days pass; the capture job runs, then cleanup (3 days' retention)"));
+                }
+                Act::Call { name, cut } => {
+                    let here = self.where_now();
+                    assert_eq!(here.next(), name, "act {k}: the machine names '{}' in {}, the script '{name}'", here.next(), here.label());
+                    self.call(k, here, cut);
+                }
+            }
+        }
+        let end = self.where_now();
+        assert_eq!(end.next(), "idle", "the script ends with {} next in {}", end.next(), end.label());
+    }
+
+    /// Clean call `k`: its block of the log, then its crashes. `cut` stops
+    /// the call at a failpoint, the state it leaves named: the boundary
+    /// where the transition's own commits end when the step that runs it
+    /// would go on to the next transition's.
+    fn call(&mut self, k: usize, before: Where, cut: Option<(&'static str, &'static str)>) {
         let name = before.next();
-        let cut = name == "wave" && completes_snapshot(&before);
-        let armed: Vec<&'static str> = if cut { vec![CUT] } else { Vec::new() };
+        let armed: Vec<&'static str> = cut.map(|(fp, _)| vec![fp]).unwrap_or_default();
         let tables_before = self.tables();
         self.save("before");
         let (code, j) = self.step(name, &armed);
@@ -346,11 +389,12 @@ impl Driver {
                 assert_eq!(j["next"]["stream"]["transition"], after.stream.name(), "{j}");
                 assert_eq!(j["next"]["backfill"]["transition"], after.backfill.name(), "{j}");
             }
-            // The cut call read the last chunks: every chunk is recorded, the completion is not.
-            End::Failpoint(_) => assert_eq!(after.label(), "chunks_read", "{j}"),
+            // The cut call stopped where its transition's commits end (for
+            // the last wave: every chunk recorded, the completion not).
+            End::Failpoint(_) => assert_eq!(after.label(), cut.expect("only a cut call stops").1, "{j}"),
         }
         let tables_after = self.tables();
-        let note = if cut { format!(" (cut at {CUT})") } else { String::new() };
+        let note = cut.map(|(fp, _)| format!(" (cut at {fp})")).unwrap_or_default();
         self.log.push(format!("transition {name}: {} -> {}{note}", before.label(), after.label()));
         self.log.extend(added(&tables_before, &tables_after).into_iter().map(|l| format!("  {l}")));
         self.ran.push(name);
@@ -490,4 +534,63 @@ fn golden_transitions_of_a_full_bootstrap_with_a_crash_at_each_commit_boundary()
     common::assert_targets_match_source_blocking(&d.s.db, &d.s.table, &d.s.wf_path);
     let log = d.golden();
     common::golden_settings().bind(|| insta::assert_snapshot!("golden_transitions_full", log));
+}
+
+const NO_BOOTSTRAP: &str = "[stream]\nmax_batch_rows = 1000\nstart = \"earliest\"\n";
+const FULL_RECOVERING: &str =
+    "[snapshot]\nbootstrap = true\nmode = \"full\"\nparallelism = 2\n[stream]\nmax_batch_rows = 1000\non_data_loss = \"resnapshot\"\n";
+
+#[test]
+fn golden_transitions_of_a_start_and_a_repair_with_a_crash_at_each_commit_boundary() {
+    let mut d = Driver::new("stream without a bootstrap: a start, a batch cut between its two commits, its repair, a batch", NO_BOOTSTRAP);
+    d.run_script(&[
+        call("start"),
+        Act::Write,
+        // Bronze's commit in, the facts row not: the half-recorded batch the repair mends.
+        Act::Call { name: "commit", cut: Some(("stream.after_bronze", "half_recorded")) },
+        call("repair"),
+        Act::Write,
+        call("commit"),
+    ]);
+    assert_eq!(d.ran, ["start", "commit", "repair", "commit"]);
+    // The cut commit is not crashed at stream.after_bronze (that is its clean
+    // outcome); the last commit is, and at its facts commit.
+    let want = BTreeSet::from(["stream.after_start", "repair.after_facts", "stream.after_bronze", "stream.after_facts"]);
+    assert_eq!(d.hit, want);
+    assert!(d.stuck.is_empty(), "crashes step never reran: {:?}", d.stuck);
+    common::assert_targets_match_source_blocking(&d.s.db, &d.s.table, &d.s.wf_path);
+    let log = d.golden();
+    common::golden_settings().bind(|| insta::assert_snapshot!("golden_transitions_start_repair", log));
+}
+
+#[test]
+fn golden_transitions_of_a_recovery_with_a_crash_at_each_commit_boundary() {
+    let mut d = Driver::new("full bootstrap, a batch, the stream stopped past the retention, its recovery and re-snapshot, a batch", FULL_RECOVERING);
+    d.run_script(&[
+        call("open"),
+        Act::Write,
+        call("commit"),
+        Act::PassRetention { days: 4 },
+        // The recovery row in: generation 1 recorded, its re-snapshot not taken.
+        Act::Call { name: "recover", cut: Some(("recover.after_recovery_row", "recovering")) },
+        call("resnapshot"),
+        Act::Write,
+        call("commit"),
+    ]);
+    assert_eq!(d.ran, ["open", "commit", "recover", "resnapshot", "commit"]);
+    let want = BTreeSet::from(["snapshot.after_open", "snapshot.after_bronze", "snapshot.after_event", "stream.after_bronze", "stream.after_facts"]);
+    assert_eq!(d.hit, want);
+    assert!(d.stuck.is_empty(), "crashes step never reran: {:?}", d.stuck);
+    let st = d.where_now();
+    assert_eq!(st.state["detail"]["generation"], 1, "{}", st.state);
+    // Bronze's image by the records' rule (the re-snapshot's rows and the
+    // changes after it, the test's own SQL) is the simulator's table.
+    let rows = d.rt.block_on(async {
+        let ctx = d.s.context().await.unwrap();
+        engine::state::facts_rows(&ctx.facts, "items").await.unwrap()
+    });
+    let newest = common::newest_completion(&rows).expect("a completed re-snapshot");
+    common::assert_image_is_table(&common::table_rows_by_id(&d.s), &common::bronze_image(&d.rt, &d.s, newest));
+    let log = d.golden();
+    common::golden_settings().bind(|| insta::assert_snapshot!("golden_transitions_recovery", log));
 }

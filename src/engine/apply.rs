@@ -103,7 +103,6 @@ pub use self::decide::{decide, decide_with_cleanup, newest_completed, open_chunk
 pub use self::sql::{ident, key_match};
 use self::sql::key_match_between;
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use chrono::Utc;
@@ -114,12 +113,11 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::chunked::{self, ChunkPayload, OpenPayload, EVENT_SNAPSHOT_CHUNK};
-use super::state::{self, StreamState};
+use super::state;
 use super::Context;
 use crate::delta::control::{self, ControlRow};
-use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT, EVENT_SNAPSHOT_OPEN};
-use crate::delta::plans::{self, PlanRow};
-use crate::delta::{self, bronze, silver, sql_str, Appended, TableKind, Txn};
+use crate::delta::facts::EVENT_SNAPSHOT_OPEN;
+use crate::delta::{self, bronze, silver, sql_str, Appended, TableKind};
 use crate::error::{StepError, StepResult};
 use crate::failpoint;
 use crate::lsn::Lsn;
@@ -808,6 +806,7 @@ fn snapshot_state(row: Option<&ControlRow>) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT};
 
     fn lsn(n: u128) -> Lsn {
         Lsn::from_u128(n)

@@ -68,7 +68,7 @@ use super::repair::{check_recorded_batch, repair, Skip};
 use super::state::{self, append_facts, StreamState, EVENT_STREAM_START};
 use super::switch;
 use super::Context;
-use crate::delta::facts::{self, FactRow, EVENT_DATA_SKIPPED};
+use crate::delta::facts::FactRow;
 use crate::delta::{self, bronze, Appended, Txn};
 use crate::error::{StepError, StepResult};
 use crate::failpoint;

@@ -104,7 +104,7 @@ pub use self::backfill::{backfill, BackfillArgs, BackfillResult};
 pub use self::on_switch::{check_open_on_switch, ensure_open_on_switch, opens_on_switch};
 pub use self::open::{check_keys, ensure_bootstrap_open, ensure_open, ensure_open_with_gap, OpenResult};
 pub use self::tables::open_plans;
-pub(crate) use self::tables::{append_facts_rows, append_plans, plan_rows_if_any};
+pub(crate) use self::tables::plan_rows_if_any;
 pub use self::wave::refuse_over_stream_gap;
 // The rules every step shares, under the paths they had when they lived here.
 pub use crate::engine::rules::{
@@ -112,4 +112,3 @@ pub use crate::engine::rules::{
     open_chunked, progress, round_pace, rounds_for_wave, snapshot_holding_mode, switch_batch_of, switch_to_open, ChunkPayload, Mode, OpenPayload,
     Opened, PlanPayload, PlannedChunk, Progress, EVENT_SNAPSHOT_CHUNK, EVENT_SNAPSHOT_PLAN,
 };
-pub(crate) use crate::engine::rules::{txn_open_plans, txn_switch_done, txn_switch_open_facts};

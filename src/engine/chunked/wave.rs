@@ -11,7 +11,7 @@ use deltalake::DeltaTable;
 use serde_json::{json, Value};
 
 use super::tables::{append_facts_rows, append_plans, plan_rows};
-use crate::engine::rules::{is_completed, txn_completion, txn_switch_done, txn_wave_bronze, txn_wave_rows, ChunkPayload, Gap, Opened, PlanPayload, EVENT_SNAPSHOT_CHUNK};
+use crate::engine::rules::{is_completed, txn_wave_bronze, txn_wave_rows, ChunkPayload, Gap, Opened, PlanPayload, EVENT_SNAPSHOT_CHUNK};
 use crate::delta::bronze;
 use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT};
 use crate::delta::plans::PlanRow;
