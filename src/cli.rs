@@ -271,7 +271,10 @@ fn arm_failpoints() {
 fn init_logging(default_filter: &str) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("MSSQL_CDC_LOG").unwrap_or_else(|_| EnvFilter::new(default_filter));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+    // Colours only on a terminal: a log file or an orchestrator's log view
+    // gets plain text, not escape codes.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).with_target(false).try_init();
 }
 
 fn workflow_path(cli_path: &Option<PathBuf>) -> Result<PathBuf, StepError> {

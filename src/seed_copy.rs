@@ -235,6 +235,14 @@ pub async fn export_parquet(source: &dyn CdcSource, table: &TableName, columns: 
         *n += batch.num_rows();
         rows += batch.num_rows() as u64;
     }
+    // An empty table is still a copy: one file with the columns and no
+    // rows, as an export tool writes it, so the seed can read its schema
+    // (a folder without files says nothing of the columns, and the seed
+    // refuses it).
+    if writer.is_none() && file_no == 0 {
+        let file = std::fs::File::create(dir.join("part-00000.parquet")).map_err(|e| io(&e))?;
+        writer = Some((ArrowWriter::try_new(file, schema.clone(), None).map_err(|e| io(&e))?, 0));
+    }
     if let Some((w, _)) = writer {
         w.close().map_err(|e| io(&e))?;
     }

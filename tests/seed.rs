@@ -171,6 +171,32 @@ async fn seed_from_a_copy_in_other_case_with_an_extra_column_then_stream() {
     assert_eq!(versions(&s).await, before);
 }
 
+/// An empty table's copy is one Parquet file with the columns and no rows
+/// (an export tool's; a folder without files would say nothing of the
+/// columns). The seed refuses it before writing anything, naming the
+/// bootstrap, which then starts the stream. (The torture tester's schedule
+/// 20000053 copied a table its writer had just emptied: the export wrote no
+/// file and the refusal named the wrong problem.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_tables_copy_is_refused_naming_the_bootstrap_and_nothing_is_written() {
+    let mut s = Scenario::new(0, WF_NO_BOOTSTRAP);
+    let at = s.db.max_lsn().unwrap().unwrap();
+    let copy = s.path().join("copy-empty");
+    assert_eq!(parquet_copy(&s, &copy).await, 0);
+    let files: Vec<_> = std::fs::read_dir(&copy).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(files.len(), 1, "one file with the schema: {files:?}");
+    let before = versions(&s).await;
+    let e = seed_at(&s, &copy, AsOf::Lsn(at), false).await.unwrap_err();
+    assert!(matches!(e, StepError::Config(_)) && e.to_string().contains("holds no rows") && e.to_string().contains("bootstrap"), "{e}");
+    assert_eq!(versions(&s).await, before, "the refused seed wrote nothing");
+    s.write_workflow(WF);
+    s.changes(6);
+    common::settle(&s.db);
+    s.stream_until_caught_up().await;
+    assert_eq!(s.count("facts", "event = 'bootstrap'").await, 1);
+    s.assert_matches_source().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seed_from_a_delta_copy_by_lsn_without_bootstrap() {
     let mut s = Scenario::new(30, WF_NO_BOOTSTRAP);
