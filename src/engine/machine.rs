@@ -12,7 +12,7 @@
 //!
 //! What is here and what is not yet: the state and the decision are the
 //! rules the steps apply, read back from the same facts rows
-//! (`engine::state`, `engine::chunked`, `engine::recover`); the steps
+//! (`engine::state`, `engine::rules`, `engine::recover`); the steps
 //! (`stream`, `backfill`, `snapshot`) still run their transitions themselves,
 //! in the same order. Architecture invariant: a transition [`next`] names is
 //! always an edge of [`EDGES`] from the state's [`MachineState::label`]
