@@ -513,3 +513,114 @@ fn a_heap_snapshot_opened_on_a_switch_counts_the_ranges_it_has_not_read_as_befor
     // (The shared bronze check reads one capture instance's change log;
     // across a switch the torture tester's checks cover bronze.)
 }
+
+/// The heap's columns after `extra` was added, as the newer instance captures them.
+fn columns_with_extra() -> Vec<ColumnDesc> {
+    let mut c = columns();
+    c.push(ColumnDesc::new("extra", SqlType::NVarChar { len: Some(16) }, true));
+    c
+}
+
+/// While the capture job lags, a column is added, a second capture instance
+/// is enabled for it, and rows are given values in it: the commits are in
+/// the table but in neither change table. A fenced read of the older
+/// instance's columns made now would hold those commits without the new
+/// values, and silver skips their change rows (they ended before the
+/// fence), so the values would never arrive. Returns the rows changed.
+fn add_a_column_and_set_it_while_capture_lags(h: &Heap, rt: &tokio::runtime::Runtime) -> usize {
+    capture_lag(h, 3_500);
+    // A commit first, so the capture job has work waiting: it writes no idle
+    // mapping row meanwhile, and the max LSN stays below the newer start.
+    let table = h.table.clone();
+    h.db.transaction(|tx| tx.insert(&table, heap_row(Some(2), "before", 100))).unwrap();
+    h.db.add_column(&h.table, ColumnDesc::new("extra", SqlType::NVarChar { len: Some(16) }, true)).unwrap();
+    h.db.enable_cdc(&h.table, Some("dbo_events_v2"), None).unwrap();
+    h.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
+    let rows = rt.block_on(source_values(&h.db, &h.table));
+    let picked: Vec<Vec<SqlValue>> = rows.iter().step_by(7).take(6).cloned().collect();
+    h.db.transaction(|tx| {
+        for (i, row) in picked.iter().enumerate() {
+            let mut new = row.clone();
+            new.push(SqlValue::Str(format!("x{i}")));
+            tx.update(&table, row, new)?;
+        }
+        let mut added = heap_row(Some(3), "new", 700);
+        added.push(SqlValue::Str("inserted".into()));
+        tx.insert(&table, added)
+    })
+    .unwrap();
+    h.db.advance_clock(std::time::Duration::from_secs(1)).unwrap();
+    assert!(h.db.status().unwrap()["pending_transactions"].as_u64().unwrap_or(0) > 1, "the commits wait for capture");
+    let max = h.db.max_lsn().unwrap().expect("a max LSN");
+    let v2 = rt.block_on(h.db.source().unwrap().capture_instances(&h.table)).unwrap().into_iter().find(|i| i.name == "dbo_events_v2").unwrap();
+    assert!(v2.start_lsn.is_some_and(|s| s > max), "capture has not reached the newer instance's start: {:?} vs max {max}", v2.start_lsn);
+    picked.len() + 1
+}
+
+/// The capture job catches up, then silver must be the table in every column.
+fn catch_up(h: &Heap) {
+    capture_lag(h, 0);
+    h.db.advance_clock(std::time::Duration::from_secs(5)).unwrap();
+    common::settle(&h.db);
+}
+
+fn assert_silver_is_the_table_with_extra(h: &Heap, rt: &tokio::runtime::Runtime) {
+    rt.block_on(mssql_cdc::torture::silver_matches_table(&h.db, &h.table, &h.silver, &columns_with_extra()))
+        .unwrap_or_else(|e| panic!("silver is not the table in every column: {e}"));
+}
+
+/// Found by the torture soak (schedule 10000933): a heap's full bootstrap,
+/// read while a newer instance adding a column was listed but not reached by
+/// capture, left the values set after that instance's start NULL in silver
+/// for good. The read must wait (exit 75, naming the instance) until the
+/// capture job has passed the start; the bootstrap then reads the newer
+/// instance. Fails if the snapshot reads the older instance's columns.
+#[test]
+fn a_full_heap_snapshot_waits_while_a_newer_instance_adds_a_column_capture_has_not_reached() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let h = Heap::new(120, "mode = \"full\"", "all update old");
+    let changed = add_a_column_and_set_it_while_capture_lags(&h, &rt);
+    assert!(changed > 1);
+    let (code, r, err) = h.run(&["stream"]);
+    assert_eq!(code, Some(75), "the bootstrap must wait: {r}\n{err}");
+    assert!(format!("{r}{err}").contains("dbo_events_v2"), "the refusal names the newer instance: {r}\n{err}");
+    assert!(!Path::new(&h.silver).exists() || rt.block_on(silver_rows(&h.silver)).is_empty(), "nothing was applied");
+    catch_up(&h);
+    h.ok(&["stream"]);
+    let st = h.ok(&["status"]);
+    assert_eq!(st["capture_instance"], "dbo_events_v2", "the bootstrap read the newer instance: {st}");
+    h.ok(&["apply"]);
+    assert_silver_is_the_table_with_extra(&h, &rt);
+}
+
+/// The same for a chunked heap (schedule 20000981): a wave stamped below the
+/// newer instance's start (capture lags) is still read fenced at a time the
+/// table holds the added column's values. It pauses until the stream has
+/// switched; the waves then read the newer instance's columns.
+#[test]
+fn a_chunked_heap_wave_waits_while_a_newer_instance_adds_a_column_the_stream_has_not_reached() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let h = Heap::new(120, "mode = \"chunked\"\nchunk_rows = 30\nparallelism = 1\ntarget_wave_seconds = 0", "all update old");
+    h.ok(&["stream"]);
+    add_a_column_and_set_it_while_capture_lags(&h, &rt);
+    let (code, r, err) = h.run(&["backfill", "--max-waves", "1"]);
+    assert_eq!(code, Some(75), "the wave must wait: {r}\n{err}");
+    assert!(format!("{r}{err}").contains("dbo_events_v2"), "the pause names the newer instance: {r}\n{err}");
+    assert_eq!((r["paused"].as_bool(), r["waves"].as_u64()), (Some(true), Some(0)), "paused, no wave read: {r}");
+    catch_up(&h);
+    let mut calls = 0;
+    loop {
+        h.ok(&["stream"]);
+        let b = h.ok(&["backfill", "--max-waves", "1"]);
+        h.ok(&["apply"]);
+        calls += 1;
+        if b["done"] == true {
+            break;
+        }
+        assert!(calls < 30, "backfill never finished");
+    }
+    h.ok(&["stream"]);
+    let a = h.ok(&["apply"]);
+    assert_eq!(a["snapshot_state"], "complete", "{a}");
+    assert_silver_is_the_table_with_extra(&h, &rt);
+}

@@ -196,20 +196,29 @@ pub fn decide(input: &SeedInput) -> SeedDecision {
     if let Some(s) = input.snapshots.iter().find(|s| s.seeded_from.as_ref().is_some_and(|(c, a)| *c == input.copy && *a == as_of)) {
         return SeedDecision::AlreadySeeded(s.clone());
     }
-    let at = |l: Lsn| input.snapshots.iter().find(|s| s.lsn == l).cloned();
+    // Only a seed's snapshot is a seed's rerun: a snapshot another step
+    // took at the same L (the stream's bootstrap, which can land first at
+    // exactly the copy's point) is "another snapshot", refused below like
+    // any other. Answering "already seeded" would tell the caller its copy
+    // is the target's snapshot when none of its rows is there.
+    let seed_at = |l: Lsn| input.snapshots.iter().find(|s| s.lsn == l && s.seeded_from.is_some()).cloned();
     let lsn = match (input.lsn, &input.as_of) {
         (Some(l), _) => {
-            if let Some(s) = at(l) {
+            if let Some(s) = seed_at(l) {
                 return SeedDecision::AlreadySeeded(s);
             }
             l
         }
         (None, AsOf::Time(t)) => {
             // The time no longer maps (cleanup removed its mapping rows, or it
-            // is older than CDC): a seed made from it is the newest snapshot
+            // is older than CDC): a seed made from it is the newest seed
             // committed at or before it.
             if !input.reseed {
-                let seed = input.snapshots.iter().filter(|s| s.commit_ts.is_some_and(|c| c <= *t)).max_by_key(|s| s.lsn);
+                let seed = input
+                    .snapshots
+                    .iter()
+                    .filter(|s| s.seeded_from.is_some() && s.commit_ts.is_some_and(|c| c <= *t))
+                    .max_by_key(|s| s.lsn);
                 if let Some(s) = seed {
                     return SeedDecision::AlreadySeeded(s.clone());
                 }
@@ -800,19 +809,42 @@ mod tests {
         assert_eq!(decide(&input(AsOf::Lsn(l(100)), Some(l(100)))), SeedDecision::Write { lsn: l(100), generation: 0 });
     }
 
+    /// A seed's snapshot: its completion row names the copy and the time.
+    fn seeded(n: u128, at: DateTime<Utc>) -> WholeSnapshot {
+        WholeSnapshot { seeded_from: Some(("copy.parquet".into(), t(5, 0).to_rfc3339())), ..snap(n, at) }
+    }
+
     #[test]
     fn reruns_are_found_first_even_after_cleanup_and_under_a_newer_snapshot() {
         let mut i = input(AsOf::Time(t(5, 0)), None);
-        i.snapshots = vec![snap(40, t(4, 59)), snap(80, t(6, 0))];
+        i.snapshots = vec![seeded(40, t(4, 59)), snap(80, t(6, 0))];
         i.min_lsn = Some(l(90)); // cleanup passed L: the time no longer maps
-        assert_eq!(decide(&i), SeedDecision::AlreadySeeded(snap(40, t(4, 59))));
+        assert_eq!(decide(&i), SeedDecision::AlreadySeeded(seeded(40, t(4, 59))));
+        // Another copy given for the same L finds the seed there all the same.
         let mut i = input(AsOf::Lsn(l(40)), Some(l(40)));
-        i.snapshots = vec![snap(40, t(4, 59)), snap(80, t(6, 0))];
+        i.copy = "moved/copy.parquet".into();
+        i.snapshots = vec![seeded(40, t(4, 59)), snap(80, t(6, 0))];
         i.min_lsn = Some(l(90));
-        assert_eq!(decide(&i), SeedDecision::AlreadySeeded(snap(40, t(4, 59))));
+        assert_eq!(decide(&i), SeedDecision::AlreadySeeded(seeded(40, t(4, 59))));
         // A snapshot open does not hide the rerun either.
         i.open_snapshot = Some(opened(95, Mode::Chunked));
-        assert_eq!(decide(&i), SeedDecision::AlreadySeeded(snap(40, t(4, 59))));
+        assert_eq!(decide(&i), SeedDecision::AlreadySeeded(seeded(40, t(4, 59))));
+    }
+
+    /// Found by the torture soak (schedules 10001125, 20000761, 20001282):
+    /// the stream's bootstrap landed first, at exactly the copy's L, and the
+    /// seed answered "already seeded" with none of its rows in the target.
+    #[test]
+    fn a_snapshot_another_step_took_at_l_is_not_the_seeds_rerun() {
+        let mut i = input(AsOf::Lsn(l(40)), Some(l(40)));
+        i.snapshots = vec![snap(40, t(4, 59))];
+        assert_eq!(decide(&i), SeedDecision::SnapshotPresent(snap(40, t(4, 59))));
+        i.reseed = true;
+        assert_eq!(decide(&i), SeedDecision::NotNewer { lsn: l(40), newest: snap(40, t(4, 59)) });
+        // Nor, once the time maps nowhere, is the newest snapshot before it.
+        let mut i = input(AsOf::Time(t(5, 0)), None);
+        i.snapshots = vec![snap(40, t(4, 59))];
+        assert_eq!(decide(&i), SeedDecision::NoCommitAtOrBefore);
     }
 
     #[test]

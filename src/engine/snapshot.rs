@@ -304,16 +304,40 @@ pub async fn record_failed_row(ctx: &mut Context, generation: i32, s: Lsn, min_l
 pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Option<Gap>) -> StepResult<SnapshotResult> {
     // Before the open row: a read with renamed columns must not even start.
     super::check_no_renamed_columns(ctx, "a full snapshot")?;
-    // The rows are read with this instance's columns: bronze must hold them
-    // all (it may be older than the instance; see stream::run).
-    let instance = ctx.instance.clone();
-    super::switch::add_bronze_columns(ctx, &instance).await?;
     let started = Instant::now();
     let app = ctx.workflow.app_id.clone();
     let snap_txn = txn_full_snapshot(&app, generation);
     let s = ctx.source.max_lsn().await?.ok_or_else(|| {
         StepError::Temporary("the capture job has not recorded any LSN yet (max LSN is NULL): call again once it has run".into())
     })?;
+    // The new generation's stream starts at S on the instance the switch
+    // rule reaches there, and the rows are read with that one's columns.
+    // The instance the context picked was planned at an earlier max LSN: if
+    // S is at or past a newer instance's start, the changes between that
+    // start and S are the newer instance's alone and the stream never reads
+    // them (they are not after S), so the rows must carry their columns.
+    let pinned = ctx.workflow.table.capture_instance.is_some();
+    let instances = if pinned { Vec::new() } else { ctx.source.capture_instances(&ctx.workflow.table_name()).await? };
+    while let super::switch::InstancePlan::Switch { to } = super::switch::plan(s, &ctx.instance, &instances) {
+        tracing::info!(from = %ctx.instance.name, to = %to.name, snapshot = %s, "the snapshot reads the instance the stream reads from its S on");
+        ctx.instance = to;
+    }
+    // A heap's read is fenced: it must not hold commits that set columns
+    // a newer instance adds (engine::switch::newer_with_added_columns).
+    if ctx.instance.index_columns.is_empty() {
+        if let Some(newer) = super::switch::newer_with_added_columns(&ctx.instance, &instances) {
+            return Err(super::switch::fenced_read_refused(
+                &ctx.instance,
+                newer,
+                "this full snapshot",
+                "Nothing was written; call again once the capture job has passed that start (the snapshot then reads the newer instance).",
+            ));
+        }
+    }
+    // The rows are read with this instance's columns: bronze must hold them
+    // all (it may be older than the instance; see stream::run).
+    let instance = ctx.instance.clone();
+    super::switch::add_bronze_columns(ctx, &instance).await?;
     let commit_ts = ctx.commit_time(s).await?;
     let mut open = ctx.fact_row(generation);
     open.event = Some(EVENT_SNAPSHOT_OPEN.into());
@@ -381,6 +405,7 @@ pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Opti
         let stamp = stamp.clone();
         let schema = bronze_schema.clone();
         let (zone, fence_read) = (ctx.zone.clone(), fence_read.clone());
+        let on = ctx.instance.clone();
         readers.push(tokio::spawn(async move {
             let opened = if fenced {
                 source.snapshot_read_fenced(&read).await.map(|f| (f.batches, Some(f.fence)))
@@ -407,7 +432,14 @@ pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Opti
                     Ok(at) => *fence_read.lock().expect("lock") = Some(at),
                     Err(e) => {
                         let _ = tx.send(Err(e.into())).await;
+                        return;
                     }
+                }
+                // An instance created while the read was starting: an error
+                // through the channel, so the append commits nothing.
+                let checked = super::switch::check_after_fenced_read(source.as_ref(), &read.table, pinned, &on, "this full snapshot").await;
+                if let Err(e) = checked {
+                    let _ = tx.send(Err(e)).await;
                 }
             }
         }));

@@ -58,6 +58,21 @@
 //!   row of either instance: no rule over bronze's rows can recover it, for
 //!   chunks and completed snapshots alike. Only a snapshot read after the
 //!   switch can: `snapshot.snapshot_on_switch` (below).
+//! - A heap's reads are fenced (`CdcSource::snapshot_read_fenced`): its
+//!   silver takes the read as holding every commit that ended before the
+//!   fence, captured or not, and skips those commits' change rows. So the
+//!   stamp does not bound what such a read holds: under capture lag a read
+//!   stamped below a newer instance's start can hold commits after it,
+//!   which set the columns it adds and which only the newer instance's
+//!   change rows (skipped) carry. A fenced read of an instance is refused
+//!   while a newer instance adding columns is listed
+//!   ([`newer_with_added_columns`]), before the read and again after its
+//!   fence (one enabled meanwhile): a heap's wave pauses (exit 75) until the
+//!   stream has switched; a heap's full snapshot exits 75 until the capture
+//!   job passes the newer start, when it reads the newer instance. A full
+//!   snapshot of any table reads the instance the switch rule reaches at its
+//!   S, not the one picked at an earlier max LSN: the changes between a
+//!   newer instance's start and S are in no batch of the new stream.
 //! - `apply` merges with the stream's instance's columns, and silver gains
 //!   an added column (NULL in the rows it holds, which is bronze's image of
 //!   them too) in the call that first applies rows read under that instance.
@@ -169,6 +184,76 @@ pub fn waits_for_switch(stamp: Lsn, on: &CaptureInstance, instances: &[CaptureIn
     match plan(stamp, on, instances) {
         InstancePlan::Switch { to } => Some(to),
         InstancePlan::Stay { .. } => None,
+    }
+}
+
+/// The listed instance newer than `on` that captures a column `on` lacks,
+/// if any: one that starts later, or at the same start (or with no start
+/// yet) was created later (see [`plan`]).
+///
+/// A fenced read (a heap's snapshot or chunk) holds every commit that ended
+/// before its fence, captured or not, and its silver counts none of those
+/// commits' change rows (`engine::apply::heap`). While such a newer
+/// instance is listed, some of those commits may come after its start and
+/// set the columns it adds: read with `on`'s columns the rows lack those
+/// values, and the change rows that carry them are the ones silver skips.
+/// So a fenced read of `on` is refused while this is Some (the stream
+/// switches first, or the next call picks the newer instance). A newer
+/// instance that adds nothing costs nothing: dropped columns are left out
+/// of silver's match from the switch on.
+pub fn newer_with_added_columns<'a>(on: &CaptureInstance, instances: &'a [CaptureInstance]) -> Option<&'a CaptureInstance> {
+    let on_order = instances.iter().position(|i| i.name.eq_ignore_ascii_case(&on.name));
+    instances
+        .iter()
+        .enumerate()
+        .filter(|(_, i)| !i.name.eq_ignore_ascii_case(&on.name))
+        .filter(|(order, i)| {
+            let created_later = on_order.is_some_and(|c| *order > c);
+            match (i.start_lsn, on.start_lsn) {
+                (Some(s), Some(cur)) => s > cur || (s == cur && created_later),
+                (None, _) | (_, None) => created_later,
+            }
+        })
+        .map(|(_, i)| i)
+        .find(|i| !column_changes(on, i).0.is_empty())
+}
+
+/// The refusal of a fenced read of `on`'s columns while `newer` (from
+/// [`newer_with_added_columns`]) is listed; `what` names the read and
+/// `remedy` what to do before calling again.
+pub fn fenced_read_refused(on: &CaptureInstance, newer: &CaptureInstance, what: &str, remedy: &str) -> StepError {
+    let (added, _) = column_changes(on, newer);
+    StepError::Temporary(format!(
+        "{what} is a fenced read of a table without a unique index with the columns of capture instance '{}', but capture \
+         instance '{}' (start {}) also captures {}: commits the read would hold may have set {} and their values would be lost. \
+         {remedy}",
+        on.name,
+        newer.name,
+        newer.start_lsn.map_or_else(|| "not established yet".to_string(), |l| l.to_string()),
+        added.join(", "),
+        if added.len() == 1 { "it" } else { "them" },
+    ))
+}
+
+/// After a fenced read of `on`'s columns has read its fence: an error when
+/// the source now lists a newer instance adding columns (one created after
+/// the check before the read, which the read may hold commits of). Nothing
+/// of the read may be committed then. A pinned workflow never switches:
+/// its reads keep the pinned instance's columns.
+pub async fn check_after_fenced_read(
+    source: &dyn crate::source::CdcSource,
+    table: &crate::source::TableName,
+    pinned: bool,
+    on: &CaptureInstance,
+    what: &str,
+) -> StepResult<()> {
+    if pinned {
+        return Ok(());
+    }
+    let instances = source.capture_instances(table).await?;
+    match newer_with_added_columns(on, &instances) {
+        Some(newer) => Err(fenced_read_refused(on, newer, what, "Nothing of it was written; call again.")),
+        None => Ok(()),
     }
 }
 
@@ -363,6 +448,29 @@ mod tests {
         assert_eq!(waits_for_switch(Lsn::from_u128(80), &new, &all), None, "the stream is on v2");
         // A pinned workflow lists no instances: nothing to wait for.
         assert_eq!(waits_for_switch(Lsn::from_u128(80), &old, &[]), None);
+    }
+
+    #[test]
+    fn a_fenced_read_waits_for_a_listed_newer_instance_that_adds_columns() {
+        let old = ci("v1", 10, &["id", "a"]);
+        let new = ci("v2", 50, &["id", "a", "b"]);
+        // Listed but above the max LSN (capture lags): a fenced read of v1 now
+        // may hold commits after 50 that set b. The stamp does not matter.
+        assert_eq!(newer_with_added_columns(&old, &[old.clone(), new.clone()]), Some(&new));
+        assert_eq!(newer_with_added_columns(&new, &[old.clone(), new.clone()]), None, "on the newest: nothing");
+        assert_eq!(newer_with_added_columns(&old, &[old.clone()]), None);
+        assert_eq!(newer_with_added_columns(&old, &[]), None, "a pinned workflow lists none");
+        // A newer instance that only drops columns (or keeps them) loses nothing.
+        let fewer = ci("v2", 50, &["id"]);
+        assert_eq!(newer_with_added_columns(&old, &[old.clone(), fewer]), None);
+        // Not established yet, created later: newer all the same.
+        let mut unstarted = new.clone();
+        unstarted.start_lsn = None;
+        assert_eq!(newer_with_added_columns(&old, &[old.clone(), unstarted.clone()]), Some(&unstarted));
+        // An older instance (created before, starting before) is never newer.
+        assert_eq!(newer_with_added_columns(&new, &[ci("v0", 5, &["id", "a", "b", "c"]), new.clone()]), None);
+        let refused = fenced_read_refused(&old, &new, "this full snapshot", "Call again.").to_string();
+        assert!(refused.contains("'v2'") && refused.contains("captures b") && refused.contains("'v1'"), "{refused}");
     }
 
     #[test]

@@ -303,6 +303,7 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         capture_instance: ctx.instance.name.clone(),
         s: o.s,
         fenced: ctx.instance.index_columns.is_empty(),
+        check_newer_after_fence: ctx.workflow.table.capture_instance.is_none().then(|| ctx.instance.clone()),
         zone: ctx.zone.clone(),
     };
     let mut readers = Vec::with_capacity(parallelism);

@@ -180,6 +180,25 @@ impl Coordinator {
             ));
             return Ok(Next::Done);
         }
+        // A heap's chunks are read fenced: while a newer instance adding
+        // columns is listed, a chunk may hold commits that set them, whatever
+        // its stamp (engine::switch::newer_with_added_columns). The stream
+        // switches once it passes that instance's start.
+        let fenced = self.stream_instance.index_columns.is_empty();
+        if let Some(newer) = crate::engine::switch::newer_with_added_columns(&self.stream_instance, &self.instances).filter(|_| fenced) {
+            for c in chunks.into_iter().rev() {
+                self.pending.push_front(c);
+            }
+            self.paused = true;
+            let refused = crate::engine::switch::fenced_read_refused(
+                &self.stream_instance,
+                newer,
+                "the next wave",
+                "Paused: run the stream step (it switches once the capture job passes that start), then call backfill again.",
+            );
+            self.stop_reason = Some(refused.to_string());
+            return Ok(Next::Done);
+        }
         let stamp_ts = self.keys.source.lsn_to_time(stamp).await?.map(|l| self.zone.to_utc(l));
         let wave = self.next_wave;
         self.next_wave += 1;
@@ -221,6 +240,10 @@ pub(super) struct ChunkReader {
     pub(super) s: Lsn,
     /// Read chunks fenced: the table is a heap.
     pub(super) fenced: bool,
+    /// The instance whose columns are read, when a fenced read must check,
+    /// after its fence, that no newer instance adding columns appeared
+    /// (None when the workflow pins its instance).
+    pub(super) check_newer_after_fence: Option<crate::source::CaptureInstance>,
     /// The server's zone, for the fence.
     pub(super) zone: crate::source::ServerZone,
 }
@@ -337,6 +360,10 @@ impl ChunkReader {
             Some(f) => Some(self.zone.fence_to_utc(f.await?)?),
             None => None,
         };
+        if let (Some(on), Some(_)) = (&self.check_newer_after_fence, fence) {
+            let what = format!("the read of chunk {}", item.chunk.chunk);
+            crate::engine::switch::check_after_fenced_read(self.source.as_ref(), &self.base.table, false, on, &what).await?;
+        }
         let adds = writer.flush().await.map_err(StepError::delta(&label))?;
         Ok(ChunkReadOutcome { rows, read_ms: t0.elapsed().as_millis() as i64, read_bytes, fence, adds })
     }
