@@ -176,6 +176,7 @@ impl BackfillCli {
                 IsolationArg::Snapshot => crate::source::Isolation::Snapshot,
             }),
             target_wave_seconds: self.target_wave_seconds,
+            transitions: crate::engine::chunked::LaneTransitions::All,
         })
     }
 }

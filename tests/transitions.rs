@@ -35,11 +35,12 @@
 //! to it, which the test checks (the clock and the max LSN stay where they
 //! were across every crash and rerun).
 //!
-//! The last wave's call is cut after its facts commit
-//! (`chunked.after_wave_facts`, as `tests/machine.rs` cuts its waves), so
-//! the completion runs as a `complete` transition of its own. Every rerun
-//! after a crash carries the same cut, so a rerun that repairs a wave stops
-//! after the repair instead of reading the next wave too.
+//! Every call is one transition and nothing more: `step wave` never
+//! records the completion, even after the last wave (the machine is then in
+//! ChunksRead, and `complete` is a call of its own), and the rerun of a wave
+//! a crash cut finishes that wave and reads no other. No call is cut at a
+//! failpoint to make it so (the golden log would show the completion in the
+//! last wave's block, and a rerun reading a second wave, if it were not).
 //!
 //! A full open cut after its open row or its bronze commit leaves the
 //! machine in FullReading with the stream not started: the stream lane
@@ -66,12 +67,8 @@ const CHUNKED: &str = "[snapshot]\nbootstrap = true\nmode = \"chunked\"\nparalle
                        [stream]\nmax_batch_rows = 1000\n";
 const FULL: &str = "[snapshot]\nbootstrap = true\nmode = \"full\"\nparallelism = 2\n[stream]\nmax_batch_rows = 1000\n";
 const ROWS: i64 = 24;
-/// The chunks one wave reads under [`CHUNKED`]: `parallelism` chunks, one round.
-const CHUNKS_PER_WAVE: i64 = 1;
 /// The transactions the writer makes at each of its points.
 const WRITES: usize = 3;
-/// Where the last wave's call is cut, before the completion its commit would also record.
-const CUT: &str = "chunked.after_wave_facts";
 
 /// The golden lines of bronze, facts and the plans table, in that order.
 type Tables = Vec<Vec<String>>;
@@ -126,15 +123,6 @@ fn end_of(code: i32, j: &Value, armed: &[&'static str]) -> End {
 /// a call does pass is found by arming each one.
 fn candidates() -> impl Iterator<Item = &'static str> {
     engine::FAILPOINTS.iter().copied().filter(|f| !f.starts_with("apply.") && !f.starts_with("reconcile."))
-}
-
-/// Whether the wave `before` names reads the snapshot's last chunks: its
-/// call would record the completion too, so the test cuts it before that.
-fn completes_snapshot(before: &Where) -> bool {
-    let phase = &before.state["detail"]["snapshot"]["phase"];
-    let chunks = phase["chunks"].as_i64().expect("a planned snapshot");
-    let done = phase["done"].as_i64().expect("its chunks done");
-    done + CHUNKS_PER_WAVE >= chunks
 }
 
 /// The lines `after` adds to `before`, table by table. Delta commits are only
@@ -337,8 +325,7 @@ impl Driver {
             if here.next() == "idle" {
                 return;
             }
-            let cut = (here.next() == "wave" && completes_snapshot(&here)).then_some((CUT, "chunks_read"));
-            self.call(k, here, cut);
+            self.call(k, here, None);
         }
         panic!("the scenario did not end in 30 calls; it ran {:?}", self.ran);
     }
@@ -446,7 +433,7 @@ impl Driver {
         assert_eq!(self.source_clock(), source_before, "the calls at {name} #{k} wrote to the simulator");
     }
 
-    /// After a crash: `step next`, with the cut armed, until the machine is
+    /// After a crash: `step next` until the machine is
     /// in `want`'s state again. Returns the transitions the reruns ran, or
     /// Err(state) when the machine names nothing to do before that (it
     /// waits, and no `step` call leaves that state).
@@ -458,11 +445,10 @@ impl Driver {
                 return Ok(reruns);
             }
             let expected = now.next();
-            let (code, j) = self.step("next", &[CUT]);
-            match end_of(code, &j, &[CUT]) {
+            let (code, j) = self.step("next", &[]);
+            match end_of(code, &j, &[]) {
                 End::Done => assert_eq!(j["transition"], expected, "{j}"),
-                // Only a wave reaches the cut: it repaired the crashed wave from bronze or plans.
-                End::Failpoint(_) => assert_eq!(expected, "wave", "{j}"),
+                End::Failpoint(fp) => panic!("a rerun with no failpoint armed stopped at {fp}: {j}"),
             }
             if expected == "idle" {
                 assert_eq!(self.where_now().state, now.state, "an idle call moved the machine");
@@ -493,9 +479,7 @@ fn golden_transitions_of_a_chunked_bootstrap_with_a_crash_at_each_commit_boundar
     let waves = d.ran.iter().filter(|t| **t == "wave").count();
     assert!(waves >= 3, "the snapshot was read in {waves} waves: {:?}", d.ran);
     // The commit boundaries a chunked bootstrap passes, each crashed at
-    // least once. chunked.after_wave_facts is crashed at in the waves before
-    // the last (the last is cut there in the clean run, so there it is the
-    // clean outcome). Not stream.after_start: a chunked open starts the
+    // least once. Not stream.after_start: a chunked open starts the
     // stream at S, and `stream` records a start only for a stream without a
     // position (engine::stream::record_start); nor the full snapshot's,
     // switch's or recovery's.

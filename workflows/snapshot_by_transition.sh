@@ -3,8 +3,8 @@
 # "The step state machine"): open -> plan -> wave, wave, ... -> complete,
 # each a `mssql-cdc step NAME` call, the name read from what the machine says
 # is next (`status`'s machine.next, then each step's own next.stream and
-# next.backfill). The last wave's commit records the completion itself, so
-# `complete` is named only after a call cut between the two. An orchestrator
+# next.backfill). Each call makes one transition's commits: the last wave
+# leaves every chunk read and the machine then names `complete`. An orchestrator
 # runs it as one task on a schedule of its own, apart from the stream's
 # (cron.sh, the DAG's stream task): an Airflow
 # BashOperator (bash_command="snapshot_by_transition.sh /opt/cdc/orders.toml ",

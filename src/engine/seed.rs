@@ -651,6 +651,24 @@ async fn whole_snapshots(ctx: &Context, facts_rows: &[FactRow]) -> StepResult<Ve
             None => out.push(WholeSnapshot { lsn: l, commit_ts: r.commit_ts, rows: r.rows, generation: Some(r.generation), seeded_from }),
         }
     }
+    // A seed whose bronze commit is in but its completion row not yet (a
+    // seed call running beside this one, between its two commits): its
+    // commit's metadata names the copy and the time. Only the newest full
+    // snapshot's commit can lack its completion, so only that one is read.
+    if out.iter().any(|s| s.generation.is_none()) {
+        let snap_app = format!("{}#snapshot", ctx.workflow.app_id);
+        if let Some(version) = delta::txn_version(&ctx.bronze, &snap_app).await? {
+            if let Some((_, meta)) = delta::find_txn_commit(&ctx.bronze, &Txn::new(snap_app, version)).await? {
+                let lsn = meta.get("snapshot_lsn").and_then(Value::as_str).and_then(|l| Lsn::parse(l).ok());
+                let copy = meta.get("copy").and_then(Value::as_str).zip(meta.get("as_of").and_then(Value::as_str));
+                if let (Some("seed"), Some(l), Some((c, a))) = (meta.get("kind").and_then(Value::as_str), lsn, copy) {
+                    if let Some(s) = out.iter_mut().find(|s| s.lsn == l && s.generation.is_none()) {
+                        s.seeded_from = Some((c.to_string(), a.to_string()));
+                    }
+                }
+            }
+        }
+    }
     out.sort_by_key(|s| s.lsn);
     Ok(out)
 }

@@ -11,16 +11,19 @@
 //! - `commit`: `stream` with at most one batch;
 //! - `recover`, `resnapshot`: `stream` with at most one batch, whose
 //!   retention guard records the recovery and takes the re-snapshot;
-//! - `plan`, `complete`: `backfill` with no wave (it plans, or completes a
-//!   snapshot whose chunks are all recorded);
-//! - `wave`: `backfill` with at most one wave (the last wave's commit also
-//!   records the completion, as `backfill` always does).
+//! - `plan`, `wave`, `complete`: `backfill` limited to that transition
+//!   (`chunked::LaneTransitions`): the plan's rows; one wave's bronze, plans
+//!   and facts commits (never the completion, even after the last wave);
+//!   the completion row. Each runs backfill's checks first, which write
+//!   nothing, and refuses (exit 2) when the snapshot is not where the
+//!   transition starts.
 //!
 //! A named transition that [`machine::next`] does not name for either lane
 //! is refused with exit 2 before anything is written, naming what is next.
 
 use serde_json::{json, Value};
 
+use super::chunked::LaneTransitions;
 use super::machine::{self, Inputs, Lane, MachineState, Next, Transition};
 use super::Context;
 use crate::error::{StepError, StepResult};
@@ -93,8 +96,9 @@ pub async fn run(ctx: &mut Context, wanted: Option<Transition>) -> StepResult<Va
                 serde_json::to_value(super::snapshot::ensure_bootstrap(ctx).await?).unwrap_or(Value::Null)
             }
         }
-        (Transition::Plan | Transition::Complete, _) => backfill_with(ctx, 0).await?,
-        (Transition::Wave, _) => backfill_with(ctx, 1).await?,
+        (Transition::Plan, _) => backfill_with(ctx, LaneTransitions::Plan).await?,
+        (Transition::Wave, _) => backfill_with(ctx, LaneTransitions::Wave).await?,
+        (Transition::Complete, _) => backfill_with(ctx, LaneTransitions::Complete).await?,
     };
     let (after, after_inputs) = load(ctx).await?;
     Ok(json!({
@@ -121,8 +125,8 @@ async fn stream_with(ctx: &mut Context, max_batches: u32) -> StepResult<Value> {
     Ok(serde_json::to_value(r?).unwrap_or(Value::Null))
 }
 
-/// `backfill` bounded to `max_waves` waves (0: its plan, repairs and completion only).
-async fn backfill_with(ctx: &mut Context, max_waves: u32) -> StepResult<Value> {
-    let args = super::chunked::BackfillArgs { max_waves: Some(max_waves), ..Default::default() };
+/// `backfill` limited to one of its transitions.
+async fn backfill_with(ctx: &mut Context, transitions: LaneTransitions) -> StepResult<Value> {
+    let args = super::chunked::BackfillArgs { transitions, ..Default::default() };
     Ok(serde_json::to_value(super::chunked::backfill(ctx, &args).await?).unwrap_or(Value::Null))
 }

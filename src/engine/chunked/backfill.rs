@@ -38,6 +38,31 @@ pub struct BackfillArgs {
     pub min_headroom_hours: Option<f64>,
     pub isolation: Option<Isolation>,
     pub target_wave_seconds: Option<f64>,
+    /// Which of the snapshot lane's transitions the call may run.
+    pub transitions: LaneTransitions,
+}
+
+/// The snapshot lane's transitions one call runs (`engine::machine`). The
+/// coarse `backfill` runs them all, in order; `step` runs one, which makes
+/// exactly that transition's commits. Every variant first runs the same
+/// checks, which write nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum LaneTransitions {
+    /// `open` (a chunked bootstrap the stream has not opened), `plan`, the
+    /// end of a wave a crash left half recorded, the waves, `complete`.
+    #[default]
+    All,
+    /// `plan` alone: its plans row, then its facts row.
+    Plan,
+    /// One `wave`: its bronze, plans and facts commits. The rerun of a wave
+    /// a crash cut (bronze or plans in, facts not) finishes that wave from
+    /// its recorded commit instead of reading one. Never the completion,
+    /// not even after the last wave: that is `complete`.
+    Wave,
+    /// `complete` alone: the completion row, once every chunk's facts row
+    /// is in (a last wave a crash cut is finished first, as its `wave`'s
+    /// rerun would).
+    Complete,
 }
 
 /// The JSON result of a `backfill` call.
@@ -77,7 +102,12 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         return Err(mode_conflict(&full, Mode::Chunked));
     }
     let mut open = open_chunked(&rows);
-    if open.is_none() && ctx.workflow.snapshot.bootstrap && ctx.workflow.snapshot.mode == crate::workflow::SnapshotMode::Chunked {
+    let only = args.transitions;
+    if only == LaneTransitions::All
+        && open.is_none()
+        && ctx.workflow.snapshot.bootstrap
+        && ctx.workflow.snapshot.mode == crate::workflow::SnapshotMode::Chunked
+    {
         // The workflow asks for a chunked bootstrap the stream has not opened
         // yet: open it here, so the two steps may be called in either order.
         if ensure_bootstrap_open(ctx).await?.is_some() {
@@ -119,8 +149,23 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
             open_payload.keys.iter().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(", ")
         )));
     }
+    if only != LaneTransitions::All && (only == LaneTransitions::Plan) == is_planned(&rows, o.s) {
+        return Err(StepError::Config(format!(
+            "the chunked snapshot at {} is {}planned: the transition asked for is not the one to run now \
+             (`mssql-cdc --workflow {} step next` runs the one that is)",
+            o.s,
+            if only == LaneTransitions::Plan { "already " } else { "not " },
+            ctx.workflow.path.display()
+        )));
+    }
     let plan = ensure_plan(ctx, &mut plans_table, &o, &open_payload, &rows, args.chunk_rows, isolation).await?;
     result.chunks_total = plan.chunk_count;
+    if only == LaneTransitions::Plan {
+        result.chunks_done = progress(&rows, o.s).done.len();
+        result.reason = Some("planned".into());
+        result.duration_ms = started.elapsed().as_millis() as i64;
+        return Ok(result);
+    }
 
     // Reload after planning: the facts now hold every row this call relies on.
     rows = state::facts_rows(&ctx.facts, &app).await?;
@@ -158,6 +203,7 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
             on_data_loss: ctx.workflow.stream.on_data_loss,
             workflow: ctx.workflow.path.clone(),
         },
+        complete_after_last_wave: true,
     };
 
     // Repair: a wave whose bronze or plans rows are in without its facts rows.
@@ -226,7 +272,20 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         rows = state::facts_rows(&sink.facts, &app).await?;
         prog = progress(&rows, o.s);
     }
-    if sink.complete_if_done(None).await? || is_completed(&state::facts_rows(&sink.facts, &app).await?, o.s) {
+    // A `wave` that finished the wave a crash cut is that wave's rerun: done.
+    // One asked of a snapshot whose chunks are all read reads nothing.
+    if only == LaneTransitions::Wave && (result.repaired_wave.is_some() || sink.done.len() >= sink.chunks_total) {
+        result.chunks_done = sink.done.len();
+        result.done = is_completed(&state::facts_rows(&sink.facts, &app).await?, o.s);
+        result.reason = Some(if result.repaired_wave.is_some() { "a wave a crash cut was finished" } else { "every chunk is read: complete is next" }.into());
+        ctx.facts = sink.facts;
+        ctx.bronze = sink.bronze;
+        result.duration_ms = started.elapsed().as_millis() as i64;
+        return Ok(result);
+    }
+    if only == LaneTransitions::Wave {
+        sink.complete_after_last_wave = false;
+    } else if sink.complete_if_done(None).await? || is_completed(&state::facts_rows(&sink.facts, &app).await?, o.s) {
         result.chunks_done = sink.done.len();
         result.done = true;
         result.reason = Some("complete".into());
@@ -234,7 +293,17 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         ctx.bronze = sink.bronze;
         result.duration_ms = started.elapsed().as_millis() as i64;
         return Ok(result);
+    } else if only == LaneTransitions::Complete {
+        return Err(StepError::Config(format!(
+            "the chunked snapshot at {} has {} of its {} chunks read: complete is not the transition to run now \
+             (`mssql-cdc --workflow {} step next` runs the one that is)",
+            o.s,
+            sink.done.len(),
+            sink.chunks_total,
+            ctx.workflow.path.display()
+        )));
     }
+    let max_waves = if only == LaneTransitions::Wave { Some(1) } else { args.max_waves };
 
     // The waves. A pool of `parallelism` readers lives for the whole call and
     // pulls chunks from one queue; when the queue runs dry the reader that
@@ -261,7 +330,7 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         paused: false,
         failed: false,
         pace_round_seconds: prog.pace_round_seconds,
-        max_waves: args.max_waves,
+        max_waves,
         deadline: args.max_seconds.map(|s| started + Duration::from_secs_f64(s.max(0.0))),
         min_headroom_hours: args.min_headroom_hours.or(ctx.workflow.snapshot.min_headroom_hours),
         target_wave_seconds: args.target_wave_seconds.unwrap_or(ctx.workflow.snapshot.target_wave_seconds),
@@ -374,15 +443,31 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
     };
     result.paused = paused;
     result.chunks_done = sink.done.len();
-    result.done = sink.done.len() >= sink.chunks_total;
+    let all_read = sink.done.len() >= sink.chunks_total;
+    // The coarse call's last wave also completed the snapshot; a `wave` never does.
+    result.done = all_read && sink.complete_after_last_wave;
     ctx.facts = sink.facts;
     ctx.bronze = sink.bronze;
     if let Some(e) = failure {
         return Err(e);
     }
-    result.reason = if result.done { Some("complete".into()) } else { stop_reason };
+    result.reason = match (result.done, all_read) {
+        (true, _) => Some("complete".into()),
+        (false, true) => Some("every chunk is read: complete is next".into()),
+        (false, false) => stop_reason,
+    };
     result.duration_ms = started.elapsed().as_millis() as i64;
     Ok(result)
+}
+
+/// Whether the facts record the plan of the snapshot at `s` (its facts row,
+/// the plan's commit point).
+fn is_planned(rows: &[crate::delta::facts::FactRow], s: Lsn) -> bool {
+    let hex = s.to_hex();
+    rows.iter().any(|r| {
+        r.event.as_deref() == Some(crate::engine::rules::EVENT_SNAPSHOT_PLAN)
+            && r.detail.as_ref().and_then(|d| d.get("snapshot")).and_then(Value::as_str) == Some(hex.as_str())
+    })
 }
 
 /// A wave being read.

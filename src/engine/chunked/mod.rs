@@ -100,7 +100,7 @@ mod reader;
 mod tables;
 mod wave;
 
-pub use self::backfill::{backfill, BackfillArgs, BackfillResult};
+pub use self::backfill::{backfill, BackfillArgs, BackfillResult, LaneTransitions};
 pub use self::on_switch::{check_open_on_switch, ensure_open_on_switch, opens_on_switch};
 pub use self::open::{check_keys, ensure_bootstrap_open, ensure_open, ensure_open_with_gap, OpenResult};
 pub use self::tables::open_plans;

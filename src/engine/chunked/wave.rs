@@ -100,6 +100,10 @@ pub(super) struct Sink {
     pub(super) waves_total: BTreeSet<i64>,
     /// What the completion checks first ([`refuse_over_stream_gap`]).
     pub(super) gap_check: GapCheck,
+    /// Whether the commit of the wave that reads the last chunks also
+    /// writes the completion (the coarse `backfill`; the `wave` transition
+    /// leaves it to `complete`).
+    pub(super) complete_after_last_wave: bool,
 }
 
 /// The source and settings [`refuse_over_stream_gap`] needs, owned by the sink.
@@ -188,7 +192,9 @@ impl Sink {
         }
         self.finish_wave(&w.chunks, w.stamp_ts, false, Some(append_ms)).await?;
         let fixed_seconds = w.read_ended.elapsed().as_secs_f64();
-        self.complete_if_done(None).await?;
+        if self.complete_after_last_wave {
+            self.complete_if_done(None).await?;
+        }
         Ok(WaveCommitted { rows: w.rows, fixed_seconds })
     }
 
