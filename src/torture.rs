@@ -1577,6 +1577,12 @@ fn run_schedule(seed: u64, args: &TortureArgs, dir: &Path, overrides: &Overrides
                     Some((3, _)) if s == "reconcile" => {}
                     // reconcile before the first apply: as judged in process.
                     Some((2, j)) if s == "reconcile" && j["error"].as_str().is_some_and(|e| e.contains("has no applied state yet")) => {}
+                    // The bootstrap's seed refused because another step took
+                    // generation 0: judged as in process (schedule 8700007).
+                    Some((2, j)) if s == SEED => match seed_refusal(s, Ended::Done(j.clone(), 2), &facts_location, &trt, &mut model, dir, report)? {
+                        Ended::Done(_, EXIT_TEMPORARY) => {}
+                        _ => return Err(format!("{s} (a child process) exited 2: {j}")),
+                    },
                     Some((code, j)) => return Err(format!("{s} (a child process) exited {code}: {j}")),
                 }
             } else {
