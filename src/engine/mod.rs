@@ -390,9 +390,5 @@ async fn first_instance(source: &dyn crate::source::CdcSource, instances: &[Capt
     let newest = instances.last().cloned().expect("non-empty");
     let Some(oldest) = instances.iter().find(|i| i.start_lsn.is_some()) else { return Ok(newest) };
     let Some(max) = source.max_lsn().await? else { return Ok(newest) };
-    let mut on = oldest.clone();
-    while let switch::InstancePlan::Switch { to } = switch::plan(max, &on, instances) {
-        on = to;
-    }
-    Ok(on)
+    Ok(switch::reached_at(max, oldest, instances))
 }

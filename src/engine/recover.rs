@@ -296,9 +296,10 @@ pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_d
     if ctx.workflow.table.capture_instance.is_none() {
         let instances = ctx.source.capture_instances(&ctx.workflow.table_name()).await?;
         if let Some(max) = ctx.source.max_lsn().await? {
-            while let super::switch::InstancePlan::Switch { to } = super::switch::plan(max, &ctx.instance, &instances) {
-                tracing::info!(from = %ctx.instance.name, to = %to.name, "the re-snapshot reads the instance the stream reads from its S on");
-                ctx.instance = to;
+            let reached = super::switch::reached_at(max, &ctx.instance, &instances);
+            if reached.name != ctx.instance.name {
+                tracing::info!(from = %ctx.instance.name, to = %reached.name, "the re-snapshot reads the instance the stream reads from its S on");
+                ctx.instance = reached;
             }
         }
     }

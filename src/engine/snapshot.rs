@@ -318,9 +318,10 @@ pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Opti
     // them (they are not after S), so the rows must carry their columns.
     let pinned = ctx.workflow.table.capture_instance.is_some();
     let instances = if pinned { Vec::new() } else { ctx.source.capture_instances(&ctx.workflow.table_name()).await? };
-    while let super::switch::InstancePlan::Switch { to } = super::switch::plan(s, &ctx.instance, &instances) {
-        tracing::info!(from = %ctx.instance.name, to = %to.name, snapshot = %s, "the snapshot reads the instance the stream reads from its S on");
-        ctx.instance = to;
+    let reached = super::switch::reached_at(s, &ctx.instance, &instances);
+    if reached.name != ctx.instance.name {
+        tracing::info!(from = %ctx.instance.name, to = %reached.name, snapshot = %s, "the snapshot reads the instance the stream reads from its S on");
+        ctx.instance = reached;
     }
     // A heap's read is fenced: it must not hold commits that set columns
     // a newer instance adds (engine::switch::newer_with_added_columns).

@@ -141,6 +141,16 @@ pub fn plan(position: Lsn, current: &CaptureInstance, instances: &[CaptureInstan
     }
 }
 
+/// The instance a stream on `on` reads at `lsn`: `on`, moved along every
+/// switch [`plan`] makes up to there.
+pub fn reached_at(lsn: Lsn, on: &CaptureInstance, instances: &[CaptureInstance]) -> CaptureInstance {
+    let mut on = on.clone();
+    while let InstancePlan::Switch { to } = plan(lsn, &on, instances) {
+        on = to;
+    }
+    on
+}
+
 /// Which instance the stream is on when a call starts: the one its newest
 /// batch read, while it exists; else the one the context picked.
 pub fn current<'a>(recorded: Option<&str>, instances: &'a [CaptureInstance], picked: &'a CaptureInstance) -> &'a CaptureInstance {
