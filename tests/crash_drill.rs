@@ -11,6 +11,10 @@ const WF_NO_BOOTSTRAP: &str = "[stream]\nmax_batch_rows = 7\nstart = \"earliest\
 
 /// Runs a scenario with `failpoint` firing once, then reruns to the end.
 async fn drill(failpoint: &str, workflow: &str) {
+    // Failpoints are process-wide: the scenario lock is held for the whole
+    // drill, its reruns included, so a failpoint the other test arms cannot
+    // fire in this one's calls (nor this one's in the other's).
+    let _guard = fail::FailScenario::setup();
     // Without a bootstrap bronze only holds changes, so the table starts empty.
     let initial_rows = if workflow.contains("bootstrap") { 40 } else { 0 };
     let mut s = Scenario::new(initial_rows, workflow);
@@ -22,7 +26,6 @@ async fn drill(failpoint: &str, workflow: &str) {
     }
     s.changes(10);
     let fired = {
-        let _guard = fail::FailScenario::setup();
         fail::cfg(failpoint, "1*return").unwrap();
         let mut fired = false;
         for _ in 0..5 {
@@ -83,20 +86,19 @@ const REPAIR_FAILPOINTS: &[&str] = &["repair.after_facts", "snapshot.after_repai
 async fn a_crash_after_a_repair_reruns_to_the_same_result() {
     for (first, second) in [("stream.after_bronze", "repair.after_facts"), ("snapshot.after_bronze", "snapshot.after_repaired_completion")] {
         assert!(FAILPOINTS.contains(&first) && FAILPOINTS.contains(&second) && REPAIR_FAILPOINTS.contains(&second));
+        // Held for the whole round, as in `drill`.
+        let _guard = fail::FailScenario::setup();
         let mut s = Scenario::new(40, WF);
         if first.starts_with("stream.") {
             s.stream().await.unwrap();
             s.changes(10);
             common::settle(&s.db);
         }
-        {
-            let _guard = fail::FailScenario::setup();
-            for fp in [first, second] {
-                fail::cfg(fp, "1*return").unwrap();
-                let e = s.stream().await.expect_err(&format!("{fp} should have cut the call"));
-                assert!(e.to_string().contains(fp), "{first} then {second}: the call stopped elsewhere: {e}");
-                fail::remove(fp);
-            }
+        for fp in [first, second] {
+            fail::cfg(fp, "1*return").unwrap();
+            let e = s.stream().await.expect_err(&format!("{fp} should have cut the call"));
+            assert!(e.to_string().contains(fp), "{first} then {second}: the call stopped elsewhere: {e}");
+            fail::remove(fp);
         }
         s.changes(10);
         s.stream_until_caught_up().await;

@@ -40,6 +40,10 @@ pub struct MachineState {
     /// A batch bronze holds without its facts row (a crash between the two
     /// commits): repaired before anything else.
     pub batch_to_repair: Option<i64>,
+    /// Older generations whose bronze holds batches without facts rows (a
+    /// call cut after a reseed or a recovery): repaired as well.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub older_generations_to_repair: Vec<i32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -99,12 +103,19 @@ impl MachineState {
             SnapshotState { s: o.s, generation: o.generation, mode: if o.mode == Mode::Full { "full" } else { "chunked" }, phase }
         });
         let recovery_pending = super::recover::recovery_row(rows, st.generation + 1).map(|_| st.generation + 1);
-        MachineState { generation: st.generation, stream, snapshot, recovery_pending, batch_to_repair: st.batch_to_repair() }
+        MachineState {
+            generation: st.generation,
+            stream,
+            snapshot,
+            recovery_pending,
+            batch_to_repair: st.batch_to_repair(),
+            older_generations_to_repair: st.older_batches_to_repair.iter().map(|o| o.generation).collect(),
+        }
     }
 
     /// The state's name in the diagram ([`EDGES`]).
     pub fn label(&self) -> State {
-        if self.batch_to_repair.is_some() {
+        if self.batch_to_repair.is_some() || !self.older_generations_to_repair.is_empty() {
             return State::HalfRecorded;
         }
         if self.recovery_pending.is_some() {
@@ -291,6 +302,9 @@ fn go(transition: Transition, reason: impl Into<String>) -> Next {
 pub fn next(state: &MachineState, inputs: &Inputs, lane: Lane) -> Next {
     if let Some(b) = state.batch_to_repair {
         return go(Transition::Repair, format!("bronze holds batch {b} without its facts row"));
+    }
+    if let Some(g) = state.older_generations_to_repair.first() {
+        return go(Transition::Repair, format!("bronze holds a batch of older generation {g} without its facts row"));
     }
     if state.recovery_pending.is_some() {
         return go(Transition::Resnapshot, format!("a recovery into generation {} is recorded; its re-snapshot is not live yet", state.generation + 1));

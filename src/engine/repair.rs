@@ -10,6 +10,15 @@
 //! rebuilt from bronze's commit metadata (its range, rows, skipped ranges
 //! and switch events), never read again from the source.
 //!
+//! The same holds for an older generation. A call that loaded its state
+//! while generation g was live may commit g's next batch to bronze after a
+//! reseed or a recovery made g + 1 live, and be cut before its facts row;
+//! the live generation's rule cannot see it. So `state::load` also reads
+//! bronze's txn version of each older generation the facts name, and
+//! [`repair`] records those batches too, under the older generation's own
+//! txn ids. The row only completes the record (each generation's range of
+//! change rows in bronze); the live position and silver do not read it.
+//!
 //! Bronze's txn decides a batch, whoever commits it. A facts append that
 //! finds its txn already applied must find the very outcome bronze's commit
 //! records; anything else ([`check_recorded_batch`]) is a batch with two
@@ -68,14 +77,31 @@ impl Skip {
 }
 
 /// Writes the facts rows of batches bronze holds without them (the
-/// stream's first act, and the seed's before it may start a generation).
+/// stream's first act, and the seed's before it may start a generation):
+/// the live generation's, then any older generation's a call cut after a
+/// reseed or a recovery left behind (`StreamState::older_batches_to_repair`).
+/// Returns the live generation's batch ids it recorded.
 pub async fn repair(ctx: &mut Context, st: &StreamState) -> StepResult<Vec<i64>> {
     check_newest_batch(ctx, st).await?;
-    let Some(upto) = st.batch_to_repair() else { return Ok(vec![]) };
-    let first = st.last_batch.as_ref().and_then(|b| b.batch_id).map(|b| b + 1).unwrap_or(0);
+    let mut repaired = Vec::new();
+    if let Some(upto) = st.batch_to_repair() {
+        let first = st.last_batch.as_ref().and_then(|b| b.batch_id).map(|b| b + 1).unwrap_or(0);
+        repaired = repair_batches(ctx, st.generation, &st.generation_app_id, first, upto).await?;
+    }
+    for older in &st.older_batches_to_repair {
+        let first = older.recorded.map_or(0, |b| b + 1);
+        tracing::warn!(generation = older.generation, from = first, upto = older.held, "an older generation's bronze holds batches without facts rows (a call cut after a reseed or a recovery): recording them");
+        repair_batches(ctx, older.generation, &older.app_id, first, older.held).await?;
+    }
+    Ok(repaired)
+}
+
+/// Records batches `first..=upto` of `generation` (txn app id `gen_app`)
+/// from bronze's commits of them.
+async fn repair_batches(ctx: &mut Context, generation: i32, gen_app: &str, first: i64, upto: i64) -> StepResult<Vec<i64>> {
     let mut repaired = Vec::new();
     for batch_id in first..=upto {
-        let txn = Txn::new(st.generation_app_id.clone(), batch_id);
+        let txn = Txn::new(gen_app.to_string(), batch_id);
         let Some((version, meta)) = delta::find_txn_commit(&ctx.bronze, &txn).await? else {
             // Older releases made no bronze commit for an empty batch; only
             // the newest batch can be missing its facts row.
@@ -83,21 +109,20 @@ pub async fn repair(ctx: &mut Context, st: &StreamState) -> StepResult<Vec<i64>>
                 continue;
             }
             return Err(StepError::NeedsPerson(format!(
-                "bronze records batch {batch_id} of {} but its commit is no longer in the Delta log and the facts \
-                 have no row for it: restore the facts row by hand or start a new app_id",
-                st.generation_app_id
+                "bronze records batch {batch_id} of {gen_app} but its commit is no longer in the Delta log and the facts \
+                 have no row for it: restore the facts row by hand or start a new app_id"
             )));
         };
         let lsn = |k: &str| meta.get(k).and_then(Value::as_str).and_then(|s| Lsn::parse(s).ok());
         let (Some(from), Some(to)) = (lsn("from_lsn"), lsn("to_lsn")) else {
             return Err(StepError::Internal(format!("bronze commit {version} lacks its batch range metadata")));
         };
-        tracing::warn!(batch_id, bronze_version = version, "bronze holds a batch without its facts row (a crash between the two commits): writing it now");
+        tracing::warn!(generation, batch_id, bronze_version = version, "bronze holds a batch without its facts row (a crash between the two commits): writing it now");
         let row = FactRow {
             app_id: ctx.workflow.app_id.clone(),
             table: ctx.workflow.table_name().to_string(),
             target: ctx.workflow.target.bronze.clone(),
-            generation: st.generation,
+            generation,
             batch_id: Some(batch_id),
             capture_instance: meta.get("capture_instance").and_then(Value::as_str).map(str::to_string),
             min_lsn: Some(from),
@@ -113,14 +138,14 @@ pub async fn repair(ctx: &mut Context, st: &StreamState) -> StepResult<Vec<i64>>
         let skips: Vec<Skip> = meta.get("skipped").cloned().map(serde_json::from_value).transpose().ok().flatten().unwrap_or_default();
         let events: Vec<FactRow> = meta.get("events").cloned().map(serde_json::from_value).transpose().ok().flatten().unwrap_or_default();
         let mut rows_out = vec![row.clone()];
-        rows_out.extend(skips.iter().map(|k| k.fact_row(ctx, st.generation, batch_id)));
+        rows_out.extend(skips.iter().map(|k| k.fact_row(ctx, generation, batch_id)));
         rows_out.extend(events.into_iter().map(|mut e| {
             e.batch_id = Some(batch_id);
             e
         }));
-        if let Appended::AlreadyApplied { .. } = state::append_facts(ctx, rows_out, &Txn::new(format!("{}#facts", st.generation_app_id), batch_id)).await? {
+        if let Appended::AlreadyApplied { .. } = state::append_facts(ctx, rows_out, &Txn::new(format!("{gen_app}#facts"), batch_id)).await? {
             // The call that committed the batch wrote its row meanwhile.
-            check_recorded_batch(ctx, st, &row, "bronze's commit of the batch").await?;
+            check_recorded(ctx, generation, gen_app, &row, "bronze's commit of the batch").await?;
         }
         failpoint!("repair.after_facts");
         repaired.push(batch_id);
@@ -146,11 +171,16 @@ fn describe_outcome(row: &FactRow) -> String {
 /// would move the position to where bronze did not stop: exit 3, never
 /// accepted.
 pub(crate) async fn check_recorded_batch(ctx: &mut Context, st: &StreamState, meant: &FactRow, meant_from: &str) -> StepResult<()> {
+    check_recorded(ctx, st.generation, &st.generation_app_id, meant, meant_from).await
+}
+
+/// [`check_recorded_batch`] for batch rows of `generation` (txn app id `gen_app`).
+async fn check_recorded(ctx: &mut Context, generation: i32, gen_app: &str, meant: &FactRow, meant_from: &str) -> StepResult<()> {
     let batch_id = meant.batch_id.expect("a batch row has a batch id");
     ctx.facts.update_state().await.map_err(StepError::delta(&ctx.workflow.target.facts))?;
     let rows = state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
     let recorded: Vec<&FactRow> =
-        rows.iter().filter(|r| r.generation == st.generation && r.event.is_none() && r.batch_id == Some(batch_id)).collect();
+        rows.iter().filter(|r| r.generation == generation && r.event.is_none() && r.batch_id == Some(batch_id)).collect();
     if recorded.len() == 1 && outcome(recorded[0]) == outcome(meant) {
         return Ok(());
     }
@@ -163,9 +193,9 @@ pub(crate) async fn check_recorded_batch(ctx: &mut Context, st: &StreamState, me
          Going on would read the changes between the two ends again or never. Stop every other writer of app_id '{}' \
          (an older mssql-cdc writes empty batches without a bronze commit), compare bronze's rows with _batch_id = {batch_id} \
          with the change table, and correct the facts row by hand, or start a new app_id",
-        st.generation_app_id,
+        gen_app,
         describe_outcome(meant),
-        st.generation_app_id,
+        gen_app,
         ctx.workflow.app_id
     )))
 }

@@ -54,6 +54,42 @@ pub struct StreamState {
     /// generation's after a lost race) is not listed: no step can finish it
     /// and none waits for it.
     pub open_snapshots: Vec<Lsn>,
+    /// Batches bronze holds for an older generation without their facts
+    /// rows (see [`older_batches_to_repair`]); filled by [`load`], empty
+    /// when derived without bronze.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub older_batches_to_repair: Vec<OlderBatches>,
+}
+
+/// An older generation's batches that bronze holds without facts rows: ids
+/// after `recorded` up to `held`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OlderBatches {
+    pub generation: i32,
+    /// The generation's app id (bronze txn id of its batches).
+    pub app_id: String,
+    /// The newest batch id the facts record for the generation, if any.
+    pub recorded: Option<i64>,
+    /// The newest batch id bronze holds for it.
+    pub held: i64,
+}
+
+/// The older generations whose bronze holds batches the facts do not
+/// record (pure): `held` is bronze's txn version of each generation below
+/// the live one. A call that loaded its state while generation g was live
+/// can commit g's next batch to bronze after a reseed or a recovery made
+/// g + 1 live, then be cut before its facts row. Every later call loads
+/// g + 1 and repairs only g + 1's batches by [`StreamState::batch_to_repair`],
+/// so without this the batch would stay in bronze with no facts row for
+/// good: its rows counted by no generation's range.
+pub fn older_batches_to_repair(app_id: &str, rows: &[FactRow], live: i32, held: &std::collections::BTreeMap<i32, i64>) -> Vec<OlderBatches> {
+    held.iter()
+        .filter(|(g, _)| **g < live)
+        .filter_map(|(&generation, &held)| {
+            let recorded = rows.iter().filter(|r| r.generation == generation && r.event.is_none()).filter_map(|r| r.batch_id).max();
+            recorded.is_none_or(|f| held > f).then(|| OlderBatches { generation, app_id: super::generation_app_id(app_id, generation), recorded, held })
+        })
+        .collect()
 }
 
 impl StreamState {
@@ -100,6 +136,7 @@ impl StreamState {
             last_batch,
             bronze_batch,
             open_snapshots,
+            older_batches_to_repair: Vec::new(),
         }
     }
 
@@ -146,7 +183,18 @@ pub async fn load(ctx: &mut Context) -> StepResult<StreamState> {
     let gen_app = super::generation_app_id(&ctx.workflow.app_id, generation);
     let bronze_batch = delta::txn_version(&ctx.bronze, &gen_app).await?;
     let min_lsn = ctx.source.min_lsn(&ctx.instance.name).await?;
-    Ok(StreamState::derive_with_cleanup(&ctx.workflow.app_id, &rows, bronze_batch, min_lsn))
+    let mut st = StreamState::derive_with_cleanup(&ctx.workflow.app_id, &rows, bronze_batch, min_lsn);
+    // Bronze's txn version of every older generation the facts name (a
+    // handful: one per reseed or recovery).
+    let older: std::collections::BTreeSet<i32> = rows.iter().map(|r| r.generation).filter(|g| *g < generation).collect();
+    let mut held = std::collections::BTreeMap::new();
+    for g in older {
+        if let Some(v) = delta::txn_version(&ctx.bronze, &super::generation_app_id(&ctx.workflow.app_id, g)).await? {
+            held.insert(g, v);
+        }
+    }
+    st.older_batches_to_repair = older_batches_to_repair(&ctx.workflow.app_id, &rows, generation, &held);
+    Ok(st)
 }
 
 /// Appends facts rows with a txn (their summary in the commit metadata).
@@ -208,6 +256,21 @@ mod tests {
         assert_eq!(s.next_batch_id(), 2);
         let s = StreamState::derive("a", &[event(0, EVENT_BOOTSTRAP, 10)], Some(0));
         assert_eq!(s.batch_to_repair(), Some(0));
+    }
+
+    #[test]
+    fn an_older_generations_batch_bronze_holds_without_facts_is_listed_and_the_live_ones_is_not() {
+        // Generation 0 recorded batch 0; a cut call committed its batch 1 to
+        // bronze after the reseed made generation 1 live (schedule 10001298).
+        let rows = vec![event(0, EVENT_BOOTSTRAP, 10), batch(0, 0, 20), event(1, EVENT_BOOTSTRAP, 40)];
+        let held = std::collections::BTreeMap::from([(0, 1), (1, 3)]);
+        let listed = older_batches_to_repair("a", &rows, 1, &held);
+        assert_eq!(listed, vec![OlderBatches { generation: 0, app_id: super::super::generation_app_id("a", 0), recorded: Some(0), held: 1 }]);
+        // Recorded up to what bronze holds: nothing.
+        assert!(older_batches_to_repair("a", &rows, 1, &std::collections::BTreeMap::from([(0, 0)])).is_empty());
+        // A generation whose facts record no batch at all.
+        let no_batch = vec![event(0, EVENT_BOOTSTRAP, 10), event(1, EVENT_BOOTSTRAP, 40)];
+        assert_eq!(older_batches_to_repair("a", &no_batch, 1, &std::collections::BTreeMap::from([(0, 0)]))[0].recorded, None);
     }
 
     fn full_open(gen: i32, at: u128, kind: &str) -> FactRow {
