@@ -523,14 +523,14 @@ async fn a_chunked_recovery_crashed_in_its_open_reuses_the_recorded_open_or_open
             ("recover.after_recovery_row", _) => {
                 let rec = r.recovery.as_ref().unwrap_or_else(|| panic!("{case}: the rerun resumes the recovery: {r:?}"));
                 assert_eq!((rec.from_generation, rec.generation, rec.mode, rec.resumed), (0, 1, "chunked", true), "{case}: {rec:?}");
-                assert!(rec.snapshot_lsn > crashed_max, "{case}: no open was recorded, so S is the max LSN of the rerun: {rec:?}");
-                (1, rec.snapshot_lsn)
+                assert!(rec.snapshot_lsn.unwrap() > crashed_max, "{case}: no open was recorded, so S is the max LSN of the rerun: {rec:?}");
+                (1, rec.snapshot_lsn.unwrap())
             }
             ("chunked.after_open_plans", _) => {
                 let rec = r.recovery.as_ref().unwrap_or_else(|| panic!("{case}: the rerun resumes the recovery: {r:?}"));
                 assert_eq!((rec.from_generation, rec.generation, rec.mode, rec.resumed), (0, 1, "chunked", true), "{case}: {rec:?}");
-                assert!(rec.snapshot_lsn > s1.unwrap(), "{case}: before the commit point the rerun opens at a new S, not S1: {rec:?}");
-                (1, rec.snapshot_lsn)
+                assert!(rec.snapshot_lsn.unwrap() > s1.unwrap(), "{case}: before the commit point the rerun opens at a new S, not S1: {rec:?}");
+                (1, rec.snapshot_lsn.unwrap())
             }
             (_, false) => {
                 assert!(r.recovery.is_none(), "{case}: the open row made generation 1 live: nothing to recover: {r:?}");
@@ -539,8 +539,8 @@ async fn a_chunked_recovery_crashed_in_its_open_reuses_the_recorded_open_or_open
             (_, true) => {
                 let rec = r.recovery.as_ref().unwrap_or_else(|| panic!("{case}: generation 1 lost its changes after S1: {r:?}"));
                 assert_eq!((rec.from_generation, rec.generation, rec.mode, rec.resumed), (1, 2, "chunked", false), "{case}: {rec:?}");
-                assert!(rec.snapshot_lsn > s1.unwrap(), "{case}: {rec:?}");
-                (2, rec.snapshot_lsn)
+                assert!(rec.snapshot_lsn.unwrap() > s1.unwrap(), "{case}: {rec:?}");
+                (2, rec.snapshot_lsn.unwrap())
             }
         };
         assert_eq!(r.generation, generation, "{case}: {r:?}");

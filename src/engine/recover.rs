@@ -129,8 +129,9 @@ pub struct RecoveryResult {
     pub min_lsn: Lsn,
     pub lost_from_ts: Option<DateTime<Utc>>,
     pub lost_to_ts: Option<DateTime<Utc>>,
-    /// The new snapshot's LSN: the new generation streams from here.
-    pub snapshot_lsn: Lsn,
+    /// The new snapshot's LSN: the new generation streams from here. None
+    /// when the call stopped after the recovery row ([`RecoverUpTo::RecoveryRow`]).
+    pub snapshot_lsn: Option<Lsn>,
     /// Rows the full re-snapshot read (a chunked one is read by `backfill`).
     pub rows: Option<i64>,
     /// True when a crashed attempt's snapshot was completed, not read again.
@@ -165,8 +166,20 @@ async fn gap_of(ctx: &Context, st: &StreamState, rows: &[FactRow], target: i32, 
     Ok((gap, recorded))
 }
 
+/// How far one call takes a recovery. The machine's `recover` transition is
+/// the recovery row (steps 1 to 3 of the module docs), its `resnapshot` the
+/// snapshot that makes the new generation live (4 and 5); the `stream` step
+/// runs both in one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecoverUpTo {
+    /// Stop once the recovery row is in (a row already recorded: nothing to do).
+    RecoveryRow,
+    /// Go on to the snapshot (a recovery row already recorded: the snapshot only).
+    Snapshot,
+}
+
 /// Recovers the stream from `loss`: see the module docs for the order.
-pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_days: f64) -> StepResult<RecoveryResult> {
+pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_days: f64, upto: RecoverUpTo) -> StepResult<RecoveryResult> {
     let app = ctx.workflow.app_id.clone();
     let mode = ctx.workflow.snapshot.mode;
     let mut target = st.generation + 1;
@@ -201,7 +214,7 @@ pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_d
                 min_lsn: loss.min_lsn,
                 lost_from_ts: gap.lost_from_ts,
                 lost_to_ts: gap.lost_to_ts,
-                snapshot_lsn: done.snapshot_lsn,
+                snapshot_lsn: Some(done.snapshot_lsn),
                 rows: Some(done.rows),
                 resumed: true,
             });
@@ -234,7 +247,7 @@ pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_d
         min_lsn: loss.min_lsn,
         lost_from_ts: gap.lost_from_ts,
         lost_to_ts: gap.lost_to_ts,
-        snapshot_lsn: loss.min_lsn,
+        snapshot_lsn: None,
         rows: None,
         resumed: recorded.is_some(),
     };
@@ -286,6 +299,10 @@ pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_d
         }
         failpoint!("recover.after_recovery_row");
     }
+    if upto == RecoverUpTo::RecoveryRow {
+        tracing::info!(generation = target, "the recovery is recorded; its re-snapshot is the next transition");
+        return Ok(result);
+    }
     // 4 and 5. The snapshot, whose commit point makes the target generation live.
     // It is taken at an S at or past the max LSN now, so the new generation
     // reads from there the instance the switch rule leads to from the
@@ -306,7 +323,7 @@ pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_d
     match mode {
         SnapshotMode::Full => {
             let r = snapshot::take_full(ctx, target, EVENT_RESNAPSHOT, Some(gap)).await?;
-            result.snapshot_lsn = r.snapshot_lsn;
+            result.snapshot_lsn = Some(r.snapshot_lsn);
             result.rows = Some(r.rows);
         }
         SnapshotMode::Chunked => {
@@ -318,10 +335,10 @@ pub async fn recover(ctx: &mut Context, st: &StreamState, loss: Loss, interval_d
                 return Err(super::chunked::mode_conflict(&full, super::chunked::Mode::Chunked));
             }
             let r = super::chunked::ensure_open_with_gap(ctx, EVENT_RESNAPSHOT, target, Some(gap)).await?;
-            result.snapshot_lsn = r.snapshot_lsn;
+            result.snapshot_lsn = Some(r.snapshot_lsn);
         }
     }
-    tracing::info!(generation = target, snapshot = %result.snapshot_lsn, mode = result.mode, "recovered: the stream goes on from the new snapshot");
+    tracing::info!(generation = target, snapshot = ?result.snapshot_lsn, mode = result.mode, "recovered: the stream goes on from the new snapshot");
     Ok(result)
 }
 

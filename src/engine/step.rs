@@ -8,9 +8,11 @@
 //! - `start`, `repair`: `stream` with no batch (its start and repairs only);
 //! - `open`: the bootstrap's open (`snapshot`: a chunked open at S, or a
 //!   full snapshot, which is read and completed by the same call);
-//! - `commit`: `stream` with at most one batch;
-//! - `recover`, `resnapshot`: `stream` with at most one batch, whose
-//!   retention guard records the recovery and takes the re-snapshot;
+//! - `commit`: `stream` limited to one micro-batch (`stream::StreamTransitions`);
+//! - `recover`: `stream` limited to the recovery row its retention guard
+//!   writes (generation n + 1 recorded, nothing read);
+//! - `resnapshot`: `stream` limited to the recorded recovery's snapshot
+//!   (full: read and completed; chunked: opened), no batch after it;
 //! - `plan`, `wave`, `complete`: `backfill` limited to that transition
 //!   (`chunked::LaneTransitions`): the plan's rows; one wave's bronze, plans
 //!   and facts commits (never the completion, even after the last wave);
@@ -25,6 +27,7 @@ use serde_json::{json, Value};
 
 use super::chunked::LaneTransitions;
 use super::machine::{self, Inputs, Lane, MachineState, Next, Transition};
+use super::stream::StreamTransitions;
 use super::Context;
 use crate::error::{StepError, StepResult};
 
@@ -87,8 +90,10 @@ pub async fn run(ctx: &mut Context, wanted: Option<Transition>) -> StepResult<Va
     };
     let result = match (chosen.transition, lane) {
         (Transition::Idle, _) => Value::Null,
-        (Transition::Start | Transition::Repair, _) => stream_with(ctx, 0).await?,
-        (Transition::Commit | Transition::Recover | Transition::Resnapshot, _) => stream_with(ctx, 1).await?,
+        (Transition::Start | Transition::Repair, _) => stream_with(ctx, StreamTransitions::Start).await?,
+        (Transition::Commit, _) => stream_with(ctx, StreamTransitions::Commit).await?,
+        (Transition::Recover, _) => stream_with(ctx, StreamTransitions::Recover).await?,
+        (Transition::Resnapshot, _) => stream_with(ctx, StreamTransitions::Resnapshot).await?,
         (Transition::Open, _) => {
             if ctx.workflow.snapshot.mode == crate::workflow::SnapshotMode::Chunked {
                 serde_json::to_value(super::chunked::ensure_bootstrap_open(ctx).await?).unwrap_or(Value::Null)
@@ -116,13 +121,9 @@ pub async fn run(ctx: &mut Context, wanted: Option<Transition>) -> StepResult<Va
     }))
 }
 
-/// `stream` bounded to `max_batches` batches (0: its start and repairs only).
-async fn stream_with(ctx: &mut Context, max_batches: u32) -> StepResult<Value> {
-    let kept = ctx.workflow.stream.max_batches;
-    ctx.workflow.stream.max_batches = max_batches;
-    let r = super::stream::run(ctx).await;
-    ctx.workflow.stream.max_batches = kept;
-    Ok(serde_json::to_value(r?).unwrap_or(Value::Null))
+/// `stream` limited to one of its transitions.
+async fn stream_with(ctx: &mut Context, transitions: StreamTransitions) -> StepResult<Value> {
+    Ok(serde_json::to_value(super::stream::run_transitions(ctx, transitions).await?).unwrap_or(Value::Null))
 }
 
 /// `backfill` limited to one of its transitions.

@@ -128,8 +128,34 @@ pub struct StreamResult {
     pub snapshots_on_switch: Vec<super::chunked::OpenResult>,
 }
 
+/// Which of the stream lane's transitions one call runs. The coarse
+/// `stream` runs them all, as many as its limits allow; `step` runs one
+/// (the machine's `start`/`repair`, `commit`, `recover`, `resnapshot`), so
+/// that each makes exactly its own commits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StreamTransitions {
+    /// The bootstrap, the repairs and start, then batches and recoveries up
+    /// to the call's limits (`stream.max_batches`, the max LSN the call
+    /// started with, one recovery a call).
+    #[default]
+    All,
+    /// The bootstrap, the repairs and the recorded start only: no batch.
+    Start,
+    /// One micro-batch (with the `data_skipped` row a skip adds to it), not a recovery.
+    Commit,
+    /// A recovery's row only (`recovery`, generation n + 1 recorded), not its re-snapshot.
+    Recover,
+    /// A recorded recovery's re-snapshot only, not the batch after it.
+    Resnapshot,
+}
+
 /// Runs the `stream` step: bootstrap first when configured, then batches.
 pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
+    run_transitions(ctx, StreamTransitions::All).await
+}
+
+/// [`run`] limited to `only` (see [`StreamTransitions`]).
+pub async fn run_transitions(ctx: &mut Context, only: StreamTransitions) -> StepResult<StreamResult> {
     // A stream that has not started starts on the context's instance (the
     // newest, or the pinned one). Bronze may be older than that instance: a
     // call made before a column was added and a new instance enabled (an
@@ -221,8 +247,17 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
     let mut max = ctx.source.max_lsn().await?;
     result.source_max_lsn = max;
     let on_loss = ctx.workflow.stream.on_data_loss;
+    let max_batches = match only {
+        StreamTransitions::All => ctx.workflow.stream.max_batches,
+        StreamTransitions::Commit => 1,
+        StreamTransitions::Start | StreamTransitions::Recover | StreamTransitions::Resnapshot => 0,
+    };
+    let recovery_only = matches!(only, StreamTransitions::Recover | StreamTransitions::Resnapshot);
     loop {
-        if result.batches >= ctx.workflow.stream.max_batches {
+        // A recovery's transitions stop the call once theirs is made; the
+        // others once the call has committed its batches.
+        let done = if recovery_only { result.recovery.is_some() } else { result.batches >= max_batches };
+        if done {
             result.call_again = true;
             break;
         }
@@ -247,17 +282,32 @@ pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
                 result.caught_up = true;
                 break;
             }
+            // Nothing purged: no recovery to make, and a recovery's transition reads no batch.
+            BatchDecision::Read { .. } if recovery_only => break,
             BatchDecision::Read { from, to_max } => (from, to_max, Vec::new()),
             BatchDecision::Purged { next, min_lsn } => match on_loss {
                 OnDataLoss::Fail => return Err(data_loss(ctx, position, next, min_lsn).await),
                 OnDataLoss::Resnapshot => {
+                    if only == StreamTransitions::Commit {
+                        // The state the machine named `commit` from is gone:
+                        // cleanup passed the position since. Nothing written.
+                        return Err(StepError::Temporary(format!(
+                            "the changes after {position} were purged after the state was read: call `step next` (it names `recover`)"
+                        )));
+                    }
                     if result.recovery.is_some() {
                         // One recovery per call: a second loss right after one
                         // means cleanup outruns the stream; the next call's guard decides.
                         return Err(data_loss(ctx, position, next, min_lsn).await);
                     }
                     let loss = super::recover::Loss { position, next, min_lsn };
-                    let r = super::recover::recover(ctx, &st, loss, ctx.workflow.stream.resnapshot_interval_days).await?;
+                    let upto = if only == StreamTransitions::Recover { super::recover::RecoverUpTo::RecoveryRow } else { super::recover::RecoverUpTo::Snapshot };
+                    let r = super::recover::recover(ctx, &st, loss, ctx.workflow.stream.resnapshot_interval_days, upto).await?;
+                    if r.snapshot_lsn.is_none() {
+                        // The recovery row only: the stream stays in the older generation.
+                        result.recovery = Some(r);
+                        continue;
+                    }
                     st = state::load(ctx).await?;
                     position = st.position().ok_or_else(|| StepError::Internal("the new generation has no position after its recovery".into()))?;
                     result.generation = st.generation;
