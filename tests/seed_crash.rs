@@ -188,3 +188,33 @@ fn a_seed_cut_after_its_bronze_commit_then_a_chunked_open_the_rerun_removes_its_
     assert_eq!(facts_events(&rt, &s, "bootstrap").len(), 1);
     assert_eq!(rt.block_on(s.verify()).differences(), 0);
 }
+
+/// Two calls of the same seed: the second passes its start (nothing of the
+/// seed in bronze yet) and is held after reading the copy; the first commits
+/// its rows and dies before its completion row. The second then finds its
+/// own seed in bronze, pending: it must write the completion, not answer
+/// "already seeded" over rows no facts row counts (the soak's schedule
+/// 30001859, where the caller, told the copy was done, never called again).
+#[test]
+fn a_seed_rerun_beside_one_that_died_between_its_commits_completes_it() {
+    let (_fp, rt) = failpoints_and_runtime();
+    let (s, args, rows) = scenario_with_copy(&rt, FULL);
+    let gate = Gate::hold("seed.after_copy_read", 1);
+    let a = args.clone();
+    let mut held_call = start_held(&gate, &s.wf_path, move |wf| seed_at(wf, a));
+    fail::cfg("seed.after_bronze", "1*return").unwrap();
+    let e = rt.block_on(seed_at(s.wf_path.clone(), args.clone())).unwrap_err();
+    assert!(e.to_string().contains("seed.after_bronze"), "{e}");
+    fail::remove("seed.after_bronze");
+    assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), rows, "the dead call's rows are in");
+    assert!(facts_events(&rt, &s, "bootstrap").is_empty(), "and no completion counts them");
+    gate.open();
+    let r = held_call.join().unwrap();
+    assert!(r.already_seeded && r.rows == rows, "{r:?}");
+    let done = facts_events(&rt, &s, "bootstrap");
+    assert_eq!(done.len(), 1, "the held call wrote the completion");
+    assert_eq!(done[0].detail.clone().unwrap()["copy"], args.copy.as_str());
+    assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), rows, "one copy of the rows: the held call's files are never committed");
+    rt.block_on(s.stream_until_caught_up());
+    assert_eq!(rt.block_on(s.verify()).differences(), 0);
+}

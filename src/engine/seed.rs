@@ -327,7 +327,7 @@ pub async fn run(ctx: &mut Context, args: &SeedArgs) -> StepResult<SeedResult> {
     let input = seed_input(ctx, args, &facts_rows, &st, lsn).await?;
     let (lsn, generation) = match decide(&input) {
         SeedDecision::Write { lsn, generation } => (lsn, generation),
-        SeedDecision::AlreadySeeded(s) => return Ok(already_seeded(&s, st.generation, args, started)),
+        SeedDecision::AlreadySeeded(s) => return rerun_result(ctx, args, s, st.generation, started).await,
         refused => return Err(refusal(ctx, &args.as_of, refused).await),
     };
     let commit_ts = ctx.commit_time(lsn).await?.ok_or_else(|| {
@@ -408,7 +408,7 @@ pub async fn run(ctx: &mut Context, args: &SeedArgs) -> StepResult<SeedResult> {
     let again = seed_input(ctx, args, &facts_now, &st_now, Some(lsn)).await?;
     match decide(&again) {
         SeedDecision::Write { lsn: l, generation: g } if l == lsn && g == generation => {}
-        SeedDecision::AlreadySeeded(s) => return Ok(already_seeded(&s, st_now.generation, args, started)),
+        SeedDecision::AlreadySeeded(s) => return rerun_result(ctx, args, s, st_now.generation, started).await,
         SeedDecision::Write { generation: g, .. } => {
             return Err(StepError::Temporary(format!(
                 "the target moved from generation {generation} to {g} while the copy was read: call seed again"
@@ -468,6 +468,35 @@ async fn seed_input(ctx: &Context, args: &SeedArgs, facts_rows: &[FactRow], st: 
         max_lsn,
         reseed: args.reseed,
     })
+}
+
+/// The answer to a call [`decide`] finds to be a rerun of seed `s`. When
+/// `s` has no completion row yet (its bronze commit is in: another call of
+/// the same seed between its two commits, or one that died there), "already
+/// seeded" would be a promise nothing keeps: if that call never comes back,
+/// the copy's rows stay in bronze with no generation counting them, and the
+/// caller, told the copy is done, never calls again. So this call writes the
+/// completion from the commit itself (the completion's txn id makes its write
+/// and the other call's one commit), then decides once more on what the
+/// target now holds.
+async fn rerun_result(ctx: &mut Context, args: &SeedArgs, s: WholeSnapshot, generation: i32, started: Instant) -> StepResult<SeedResult> {
+    if s.generation.is_some() {
+        return Ok(already_seeded(&s, generation, args, started));
+    }
+    tracing::warn!(lsn = %s.lsn, "bronze holds this seed's rows without its completion row: completing it");
+    ctx.facts.update_state().await.map_err(StepError::delta(&ctx.workflow.target.facts))?;
+    let facts_rows = super::state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
+    finish_interrupted_seed(ctx, &facts_rows).await?;
+    let st = super::state::load(ctx).await?;
+    let facts_rows = super::state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
+    let input = seed_input(ctx, args, &facts_rows, &st, Some(s.lsn)).await?;
+    match decide(&input) {
+        SeedDecision::AlreadySeeded(done) if done.generation.is_some() => Ok(already_seeded(&done, st.generation, args, started)),
+        SeedDecision::AlreadySeeded(_) | SeedDecision::Write { .. } => {
+            Err(StepError::Temporary("another call of this seed is between its commits: call seed again".into()))
+        }
+        refused => Err(refusal(ctx, &args.as_of, refused).await),
+    }
 }
 
 /// The result of a seed the target already holds (nothing written).
