@@ -11,7 +11,6 @@
 pub mod apply;
 pub mod change_order;
 pub mod chunked;
-pub mod coarse;
 pub mod identity;
 pub mod machine;
 pub mod plan;
