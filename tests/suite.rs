@@ -14,6 +14,8 @@ mod cli;
 mod collations;
 #[path = "concurrent_first.rs"]
 mod concurrent_first;
+#[path = "facts_read.rs"]
+mod facts_read;
 #[path = "heap_silver.rs"]
 mod heap_silver;
 #[path = "identity_cli.rs"]

@@ -12,6 +12,7 @@
 pub mod bronze;
 pub mod control;
 pub mod facts;
+pub mod facts_read;
 pub mod golden;
 pub mod plans;
 pub mod reconcile;

@@ -24,7 +24,7 @@ use serde_json::json;
 
 use super::Context;
 use crate::delta::facts::{self, FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT, EVENT_SNAPSHOT_OPEN};
-use crate::delta::{self, sql_str, Appended, Txn};
+use crate::delta::{self, Appended, Txn};
 use crate::error::StepResult;
 use crate::lsn::Lsn;
 
@@ -164,8 +164,7 @@ impl StreamState {
 
 /// Reads this app id's facts rows.
 pub async fn facts_rows(facts: &deltalake::DeltaTable, app_id: &str) -> StepResult<Vec<FactRow>> {
-    let batches = delta::query(facts, &format!("SELECT * FROM t WHERE app_id = {}", sql_str(app_id))).await?;
-    facts::from_batches(&batches)
+    delta::facts_read::rows_of(facts, app_id).await
 }
 
 /// Loads the stream's state (reloading both tables first).
