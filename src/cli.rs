@@ -297,7 +297,7 @@ pub async fn run(cli: Cli) -> Result<(Value, i32), StepError> {
                 wf.stream.resnapshot_interval_days = d;
             }
             let mut ctx = crate::engine::Context::open(wf).await?;
-            let r = crate::engine::stream::run(&mut ctx).await?;
+            let r = crate::engine::coarse::stream(&mut ctx).await?;
             Ok((serde_json::to_value(&r).unwrap_or(Value::Null), EXIT_OK))
         }
         Command::Snapshot => {

@@ -518,7 +518,7 @@ async fn a_chunked_recovery_crashed_in_its_open_reuses_the_recorded_open_or_open
             wf.stream.resnapshot_interval_days = 0.0;
         }
         let mut ctx = Context::open(wf).await.unwrap();
-        let r = engine::stream::run(&mut ctx).await.unwrap();
+        let r = engine::coarse::stream(&mut ctx).await.unwrap();
         let (generation, final_s) = match (point, passed) {
             ("recover.after_recovery_row", _) => {
                 let rec = r.recovery.as_ref().unwrap_or_else(|| panic!("{case}: the rerun resumes the recovery: {r:?}"));

@@ -373,18 +373,22 @@ async fn earliest_and_latest_starts_never_fall_inside_a_purged_range() {
 // ---------------------------------------------------------------------------
 // 18.25
 
-/// The simulator as a source, except that `max_lsn` answers only its first
-/// call: every later one finds it NULL (no mapping row to give), so no
-/// server time can be read. A `stream` call reads max LSN once when it
-/// starts; the guard of a recovery in the same call then has none.
+/// The simulator as a source, except that `max_lsn` answers only the call's
+/// own two reads: every later one finds it NULL (no mapping row to give), so
+/// no server time can be read. A `stream` call reads max LSN with the state
+/// (`step::load`, the call's limit) and again in the transition it runs (the
+/// batch's bound); the guard of a recovery in that transition then has none.
 struct MaxLsnOnce {
     calls: AtomicUsize,
 }
 
+/// The `stream` call's own max LSN reads before its recovery's guard.
+const CALLS_OWN_MAX_LSN_READS: usize = 2;
+
 #[async_trait]
 impl common::Hooks for MaxLsnOnce {
     async fn max_lsn(&self, inner: &SharedSource) -> Result<Option<Lsn>, SourceError> {
-        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+        if self.calls.fetch_add(1, Ordering::SeqCst) < CALLS_OWN_MAX_LSN_READS {
             inner.max_lsn().await
         } else {
             Ok(None)
@@ -424,11 +428,11 @@ async fn without_a_max_lsn_the_guard_has_no_server_time_and_no_snapshot_is_read(
     let mut ctx = s.context().await.unwrap();
     let blank = Arc::new(common::Wrapped::new(ctx.source.clone(), MaxLsnOnce { calls: AtomicUsize::new(0) }));
     ctx.source = blank.clone();
-    let e = engine::stream::run(&mut ctx).await.unwrap_err();
+    let e = engine::coarse::stream(&mut ctx).await.unwrap_err();
     assert!(matches!(e, StepError::Temporary(_)), "no server time: call again, not a decision on another clock: {e}");
     assert_eq!(e.exit_code(), 75);
     assert!(e.to_string().contains("max LSN is NULL"), "{e}");
-    assert!(blank.hooks.calls.load(Ordering::SeqCst) >= 2, "the guard asked for max LSN after the call's own read");
+    assert!(blank.hooks.calls.load(Ordering::SeqCst) > CALLS_OWN_MAX_LSN_READS, "the guard asked for max LSN after the call's own reads");
     let rows = facts(&s).await;
     let recoveries = events(&rows, "recovery");
     assert_eq!(recoveries.len(), 2, "{recoveries:?}");
@@ -448,7 +452,7 @@ async fn without_a_max_lsn_the_guard_has_no_server_time_and_no_snapshot_is_read(
     let mut wf = s.workflow();
     wf.stream.resnapshot_interval_days = 0.0;
     let mut ctx = Context::open(wf).await.unwrap();
-    let r = engine::stream::run(&mut ctx).await.unwrap();
+    let r = engine::coarse::stream(&mut ctx).await.unwrap();
     let rec = r.recovery.as_ref().expect("recovered");
     assert_eq!((rec.generation, rec.resumed), (2, true), "{rec:?}");
     let rows = facts(&s).await;

@@ -104,7 +104,7 @@ async fn a_second_loss_within_the_interval_needs_a_person_then_interval_0_recove
     let mut wf = s.workflow();
     wf.stream.resnapshot_interval_days = 0.0;
     let mut ctx = engine::Context::open(wf).await.unwrap();
-    let r = engine::stream::run(&mut ctx).await.unwrap();
+    let r = engine::coarse::stream(&mut ctx).await.unwrap();
     assert_eq!(r.recovery.as_ref().unwrap().generation, 2, "{r:?}");
     assert_eq!(s.verify().await.differences(), 0);
     assert_eq!(events(&facts(&s).await, "resnapshot").len(), 2);
@@ -197,7 +197,7 @@ async fn a_chunked_recovery_streams_at_once_and_backfill_completes_it() {
     s2wf.stream.resnapshot_interval_days = 0.0;
     stop_past_the_retention(&mut s, 4);
     let mut ctx = engine::Context::open(s2wf).await.unwrap();
-    let r = engine::stream::run(&mut ctx).await.unwrap();
+    let r = engine::coarse::stream(&mut ctx).await.unwrap();
     assert_eq!(r.recovery.as_ref().unwrap().generation, 2);
     backfill_until_done(&s).await;
     s.changes(4);

@@ -531,7 +531,7 @@ impl common::Hooks for DeleteDuringTheRead {
             let wf = mssql_cdc::workflow::Workflow::load(&self.wf_path).unwrap();
             for _ in 0..100 {
                 let mut ctx = mssql_cdc::engine::Context::open(wf.clone()).await.unwrap();
-                if mssql_cdc::engine::stream::run(&mut ctx).await.unwrap().caught_up {
+                if mssql_cdc::engine::coarse::stream(&mut ctx).await.unwrap().caught_up {
                     break;
                 }
             }

@@ -161,7 +161,7 @@ async fn child(a: &ApplyBenchArgs, phase: &str) -> StepResult<Value> {
             let mut streamed = 0i64;
             for _ in 0..1000 {
                 let mut ctx = Context::open(workflow(&dir)?).await?;
-                let r = engine::stream::run(&mut ctx).await?;
+                let r = engine::coarse::stream(&mut ctx).await?;
                 streamed += r.rows;
                 if r.caught_up {
                     break;

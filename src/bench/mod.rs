@@ -12,6 +12,7 @@
 //! commits), not about SQLite's speed.
 
 pub mod apply;
+pub mod stream;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -31,6 +32,8 @@ pub enum BenchCommand {
     Snapshot(SnapshotBenchArgs),
     /// `apply` of a batch of changes into a large silver, `reconcile` of it, and a bare append of the same rows.
     Apply(apply::ApplyBenchArgs),
+    /// `stream` calls over a backlog: milliseconds per batch as the history grows, and the facts read cached against a SQL scan.
+    Stream(stream::StreamBenchArgs),
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -69,6 +72,7 @@ pub async fn run(cmd: BenchCommand) -> StepResult<Value> {
             None => parent(&a).await,
         },
         BenchCommand::Apply(a) => apply::run(&a).await,
+        BenchCommand::Stream(a) => stream::run(&a).await,
     }
 }
 

@@ -150,7 +150,7 @@ impl Harness {
     /// One `stream` call, as an orchestrator makes it.
     pub async fn stream(&self) -> StepResult<engine::stream::StreamResult> {
         let mut ctx = Context::open(self.workflow()?).await?;
-        engine::stream::run(&mut ctx).await
+        engine::coarse::stream(&mut ctx).await
     }
 
     /// Waits until the simulated capture job has recorded an LSN.
@@ -265,7 +265,7 @@ pub struct StepHandle {
 impl StepHandle {
     pub async fn stream(&self) -> StepResult<engine::stream::StreamResult> {
         let mut ctx = Context::open(Workflow::load(&self.workflow_path)?).await?;
-        engine::stream::run(&mut ctx).await
+        engine::coarse::stream(&mut ctx).await
     }
 
     pub async fn backfill(&self, args: &engine::chunked::BackfillArgs) -> StepResult<engine::chunked::BackfillResult> {

@@ -10,11 +10,11 @@
 //! the waves from the table. So [`next`] answers per lane, and `status`
 //! prints both answers.
 //!
-//! What is here and what is not yet: the state and the decision are the
-//! rules the steps apply, read back from the same facts rows
-//! (`engine::state`, `engine::rules`, `engine::recover`); the steps
-//! (`stream`, `backfill`, `snapshot`) still run their transitions themselves,
-//! in the same order. Architecture invariant: a transition [`next`] names is
+//! The state and the decision are the rules the steps apply, read back from
+//! the same facts rows (`engine::state`, `engine::rules`, `engine::recover`).
+//! The coarse `stream` is a loop over [`next_in_call`] (the stream lane's
+//! [`next`] bounded by the call's limits), running each transition through
+//! `stream::run_transitions`, exactly as `step` runs one. Architecture invariant: a transition [`next`] names is
 //! always an edge of [`EDGES`] from the state's [`MachineState::label`]
 //! (unit-tested over the states below), so the diagram is the machine's.
 
@@ -323,9 +323,8 @@ pub fn next(state: &MachineState, inputs: &Inputs, lane: Lane) -> Next {
                 return go(Transition::Open, format!("a full snapshot at {s} is open without its completion: the open takes it (again, if the run that opened it is gone)"))
             }
             // A stream that starts without a bootstrap, or runs already, is not
-            // held by a full open (as `stream` is not): its start and its
-            // batches go on; the open holds only the snapshot mode, until
-            // cleanup passes its S.
+            // held by a full open: its start and its batches go on (the open
+            // holds only the snapshot mode, until cleanup passes its S).
             (Lane::Stream, _) => {}
             (Lane::Snapshot, _) => {
                 return go(Transition::Idle, format!("a full snapshot at {s} is being read by the call that opened it (or holds the mode until cleanup passes it)"))
@@ -360,6 +359,72 @@ pub fn next(state: &MachineState, inputs: &Inputs, lane: Lane) -> Next {
             ),
             Some(SnapshotState { s, .. }) => go(Transition::Complete, format!("every chunk of the snapshot at {s} is recorded")),
         },
+    }
+}
+
+/// What one coarse `stream` call has done so far, against its limits: the
+/// call reads up to the max LSN it found when it started (a writer that
+/// never pauses cannot keep one call running), commits at most
+/// `stream.max_batches` batches, and makes at most one recovery.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CallLimits {
+    /// The source's max LSN when the call started (or when its recovery's
+    /// snapshot made the new generation live: the snapshot stands at or past
+    /// the first one).
+    pub max_lsn: Option<Lsn>,
+    /// Batches the call may still commit.
+    pub batches_left: u32,
+    /// The call has made its recovery.
+    pub recovered: bool,
+}
+
+/// The coarse `stream`'s decision for its next turn ([`next_in_call`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum CallNext {
+    /// Run this transition of the stream lane.
+    Run(Transition),
+    /// End the call: `caught_up` when the position reached the call's max
+    /// LSN, else the call stopped at a limit with more to do (call again).
+    Stop { caught_up: bool, reason: String },
+    /// The changes after `position` are purged and the workflow says fail
+    /// (or the call has made its one recovery already): exit 3.
+    DataLoss { position: Lsn, next: Lsn, min_lsn: Lsn },
+}
+
+/// The coarse `stream` as a loop over [`next`] (pure): the stream lane's
+/// transition, bounded by the call's limits. `stream` calls it after each
+/// transition, on the state read again, until it says stop.
+pub fn next_in_call(state: &MachineState, inputs: &Inputs, limits: &CallLimits) -> CallNext {
+    let n = next(state, inputs, Lane::Stream);
+    let purged = |position: Lsn| match inputs.min_lsn {
+        Some(min_lsn) if super::rules::is_purged_after(position, inputs.min_lsn, inputs.max_lsn) => {
+            Some(CallNext::DataLoss { position, next: position.increment(), min_lsn })
+        }
+        _ => None,
+    };
+    match (n.transition, &state.stream) {
+        (Transition::Commit, StreamPhase::At { position, .. }) => {
+            if limits.max_lsn.is_none_or(|m| *position >= m) && !super::rules::is_purged_after(*position, inputs.min_lsn, inputs.max_lsn) {
+                CallNext::Stop { caught_up: true, reason: format!("caught up at {position}, the max LSN the call started with") }
+            } else if limits.batches_left == 0 {
+                CallNext::Stop { caught_up: false, reason: "the call committed stream.max_batches batches: call again".into() }
+            } else {
+                CallNext::Run(Transition::Commit)
+            }
+        }
+        (Transition::Recover, StreamPhase::At { position, .. }) if limits.recovered => {
+            // One recovery a call: a second loss right after one means
+            // cleanup outruns the stream; a person decides.
+            purged(*position).unwrap_or(CallNext::Stop { caught_up: false, reason: n.reason })
+        }
+        // The stream has not started and nothing can start it now (nothing
+        // captured yet): the start's own step says so, as a call of it would.
+        (Transition::Idle, StreamPhase::NotStarted) => CallNext::Run(Transition::Start),
+        (Transition::Idle, StreamPhase::At { position, .. }) => match inputs.on_data_loss {
+            OnDataLoss::Fail => purged(*position).unwrap_or(CallNext::Stop { caught_up: true, reason: n.reason }),
+            _ => CallNext::Stop { caught_up: true, reason: n.reason },
+        },
+        (t, _) => CallNext::Run(t),
     }
 }
 
@@ -464,6 +529,47 @@ mod tests {
         }
         let s = MachineState::derive("t", &[open(10), plan(10, 2), chunk(10, 0, 0)], None, None);
         assert_eq!(s.snapshot.unwrap().phase, SnapshotPhase::Waves { chunks: 2, done: 1, last_wave: Some(0) });
+    }
+
+    fn streaming_at(position: u128) -> MachineState {
+        let mut rows = vec![open(10), plan(10, 2), chunk(10, 0, 0), chunk(10, 1, 1), batch(0, 0, 11, position)];
+        let mut done = row(0, Some(EVENT_BOOTSTRAP), 10);
+        done.detail = Some(json!({"mode": "chunked", "snapshot": l(10).to_hex()}));
+        rows.push(done);
+        MachineState::derive("t", &rows, None, None)
+    }
+
+    /// The coarse `stream`'s loop: the stream lane's `next` while the call's
+    /// max LSN, batch count and one recovery allow, and a data loss it may
+    /// not recover from ends it with exit 3's decision.
+    #[test]
+    fn a_stream_call_runs_the_lanes_transitions_within_its_limits() {
+        let limits = CallLimits { max_lsn: Some(l(40)), batches_left: 2, recovered: false };
+        let at = streaming_at(20);
+        assert_eq!(next_in_call(&at, &inputs(50), &limits), CallNext::Run(Transition::Commit));
+        // Past the call's max (a writer that never pauses): caught up, though the source holds more.
+        assert!(matches!(next_in_call(&streaming_at(40), &inputs(50), &limits), CallNext::Stop { caught_up: true, .. }));
+        assert!(matches!(next_in_call(&streaming_at(50), &inputs(50), &limits), CallNext::Stop { caught_up: true, .. }));
+        let spent = CallLimits { batches_left: 0, ..limits };
+        assert!(matches!(next_in_call(&at, &inputs(50), &spent), CallNext::Stop { caught_up: false, .. }));
+        // Purged after the position: recover once, then a second loss stops with exit 3.
+        let purged = Inputs { min_lsn: Some(l(30)), ..inputs(50) };
+        assert_eq!(next_in_call(&at, &purged, &limits), CallNext::Run(Transition::Recover));
+        let recovered = CallLimits { recovered: true, ..limits };
+        assert_eq!(next_in_call(&at, &purged, &recovered), CallNext::DataLoss { position: l(20), next: l(20).increment(), min_lsn: l(30) });
+        let fail = Inputs { on_data_loss: OnDataLoss::Fail, ..purged.clone() };
+        assert_eq!(next_in_call(&at, &fail, &limits), CallNext::DataLoss { position: l(20), next: l(20).increment(), min_lsn: l(30) });
+        // A purge is read whatever the call's max: skip mode commits the skip.
+        let skip = Inputs { on_data_loss: OnDataLoss::Skip, ..purged };
+        assert_eq!(next_in_call(&at, &skip, &CallLimits { max_lsn: Some(l(20)), ..limits }), CallNext::Run(Transition::Commit));
+        // Not started: the start runs even when nothing is captured yet (it says so itself).
+        let none = MachineState::derive("t", &[], None, None);
+        assert_eq!(next_in_call(&none, &inputs(50), &limits), CallNext::Run(Transition::Open));
+        let nothing = Inputs { max_lsn: None, ..inputs(50) };
+        assert_eq!(next_in_call(&none, &nothing, &limits), CallNext::Run(Transition::Start));
+        // A half-recorded batch is repaired first, even with no batch left to commit.
+        let half = MachineState::derive("t", &[batch(0, 0, 11, 20)], Some(1), None);
+        assert_eq!(next_in_call(&half, &inputs(50), &spent), CallNext::Run(Transition::Repair));
     }
 
     /// The architecture invariant: whatever `next` names from a state is an

@@ -11,6 +11,7 @@
 pub mod apply;
 pub mod change_order;
 pub mod chunked;
+pub mod coarse;
 pub mod identity;
 pub mod machine;
 pub mod plan;

@@ -336,7 +336,7 @@ pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Opti
         }
     }
     // The rows are read with this instance's columns: bronze must hold them
-    // all (it may be older than the instance; see stream::run).
+    // all (it may be older than the instance; see stream::run_transitions).
     let instance = ctx.instance.clone();
     super::switch::add_bronze_columns(ctx, &instance).await?;
     let commit_ts = ctx.commit_time(s).await?;

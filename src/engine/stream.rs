@@ -1,4 +1,6 @@
-//! The `stream` step: micro-batches from the stream's position up to max LSN.
+//! The stream lane's transitions (`run_transitions`): a start, repairs, one
+//! micro-batch from the stream's position, a recovery and its re-snapshot.
+//! The coarse `stream` command runs them in a loop (`engine::coarse`).
 //!
 //! Each batch reads the capture instance's changes in `(position, to]`,
 //! appends them to bronze in one commit (txn: the generation's app id, the
@@ -128,17 +130,12 @@ pub struct StreamResult {
     pub snapshots_on_switch: Vec<super::chunked::OpenResult>,
 }
 
-/// Which of the stream lane's transitions one call runs. The coarse
-/// `stream` runs them all, as many as its limits allow; `step` runs one
-/// (the machine's `start`/`repair`, `commit`, `recover`, `resnapshot`), so
-/// that each makes exactly its own commits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Which of the stream lane's transitions one call of [`run_transitions`]
+/// runs, so that each makes exactly its own commits. `step` runs one (the
+/// machine's `start`/`repair`, `commit`, `recover`, `resnapshot`); the
+/// coarse `stream` (`engine::coarse`) runs them one after another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamTransitions {
-    /// The bootstrap, the repairs and start, then batches and recoveries up
-    /// to the call's limits (`stream.max_batches`, the max LSN the call
-    /// started with, one recovery a call).
-    #[default]
-    All,
     /// The bootstrap, the repairs and the recorded start only: no batch.
     Start,
     /// One micro-batch (with the `data_skipped` row a skip adds to it), not a recovery.
@@ -149,12 +146,9 @@ pub enum StreamTransitions {
     Resnapshot,
 }
 
-/// Runs the `stream` step: bootstrap first when configured, then batches.
-pub async fn run(ctx: &mut Context) -> StepResult<StreamResult> {
-    run_transitions(ctx, StreamTransitions::All).await
-}
-
-/// [`run`] limited to `only` (see [`StreamTransitions`]).
+/// The stream lane's transitions named by `only` (see [`StreamTransitions`]):
+/// the bootstrap when configured, the repairs and the start first, then at
+/// most one batch or one recovery transition.
 pub async fn run_transitions(ctx: &mut Context, only: StreamTransitions) -> StepResult<StreamResult> {
     // A stream that has not started starts on the context's instance (the
     // newest, or the pinned one). Bronze may be older than that instance: a
@@ -248,7 +242,6 @@ pub async fn run_transitions(ctx: &mut Context, only: StreamTransitions) -> Step
     result.source_max_lsn = max;
     let on_loss = ctx.workflow.stream.on_data_loss;
     let max_batches = match only {
-        StreamTransitions::All => ctx.workflow.stream.max_batches,
         StreamTransitions::Commit => 1,
         StreamTransitions::Start | StreamTransitions::Recover | StreamTransitions::Resnapshot => 0,
     };

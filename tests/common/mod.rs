@@ -198,7 +198,7 @@ impl Scenario {
 
     pub async fn stream(&self) -> StepResult<engine::stream::StreamResult> {
         let mut ctx = self.context().await?;
-        engine::stream::run(&mut ctx).await
+        engine::coarse::stream(&mut ctx).await
     }
 
     /// Streams until caught up with the writer, not only with the capture

@@ -76,7 +76,7 @@ pub async fn ensure_open(ctx: &mut Context, kind: &str, generation: i32) -> Step
 /// completion row) carries the data-loss gap it closes.
 pub async fn ensure_open_with_gap(ctx: &mut Context, kind: &str, generation: i32, gap: Option<crate::engine::rules::Gap>) -> StepResult<OpenResult> {
     // The chunks are read with this instance's columns: bronze must hold them
-    // all (it may be older than the instance; see stream::run).
+    // all (it may be older than the instance; see stream::run_transitions).
     let instance = ctx.instance.clone();
     crate::engine::switch::add_bronze_columns(ctx, &instance).await?;
     let app = ctx.workflow.app_id.clone();
