@@ -277,6 +277,49 @@ async fn backfill_pauses_while_headroom_is_below_the_minimum() {
     assert!(!b.paused && b.waves == 1, "{b:?}");
 }
 
+/// The pause reads the headroom live: once the stream stops, cleanup goes on
+/// and its last batch's recorded headroom no longer says how close cleanup
+/// is. Here cleanup reaches the stopped stream's position: the recorded
+/// headroom is still above the minimum, the live one is zero, and backfill
+/// pauses until the stream has read on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backfill_pauses_on_the_live_headroom_not_the_last_batchs_recorded_one() {
+    let _fp = fail::FailScenario::setup();
+    let mut s = Scenario::new(100, CHUNKED);
+    let opened = s.stream().await.unwrap().position.unwrap();
+    s.db.cleanup_to_lsn(opened).unwrap();
+    s.changes(3);
+    common::settle(&s.db);
+    let stopped_at = s.stream().await.unwrap().position.unwrap();
+    let min_h = 0.0001;
+    let b = backfill(&s, BackfillArgs { min_headroom_hours: Some(min_h), ..one_wave() }).await.unwrap();
+    assert!(!b.paused && b.waves == 1, "the stream has just read: {b:?}");
+    let ctx = s.context().await.unwrap();
+    let rows = mssql_cdc::engine::state::facts_rows(&ctx.facts, "items").await.unwrap();
+    let recorded = rows.iter().filter(|r| r.batch_id.is_some() && r.event.is_none()).max_by_key(|r| r.batch_id).unwrap().headroom_seconds.unwrap();
+    assert!(recorded >= min_h * 3600.0, "the last batch recorded {recorded} s");
+    drop(ctx);
+
+    // The stream stops; the writer goes on and cleanup reaches its position.
+    s.changes(3);
+    common::settle(&s.db);
+    s.db.cleanup_to_lsn(stopped_at).unwrap();
+    let b = backfill(&s, BackfillArgs { min_headroom_hours: Some(min_h), ..one_wave() }).await.unwrap();
+    assert!(b.paused && b.waves == 0, "cleanup is at the stream's position: {b:?}");
+    assert!(b.reason.as_deref().unwrap().contains("headroom is 0.00 h"), "{b:?}");
+    let mut ctx = s.context().await.unwrap();
+    let status = mssql_cdc::engine::status::run(&mut ctx).await.unwrap();
+    drop(ctx);
+    assert_eq!(status["headroom_seconds"], serde_json::json!(0.0), "{status}");
+
+    // The stream reads on: its position moves past the watermark and the
+    // waves go on.
+    common::settle(&s.db);
+    s.stream().await.unwrap();
+    let b = backfill(&s, BackfillArgs { min_headroom_hours: Some(min_h), ..one_wave() }).await.unwrap();
+    assert!(!b.paused && b.waves == 1, "the stream has caught up: {b:?}");
+}
+
 /// A heap (no primary key, no unique index): `id` is unique in practice but
 /// not declared; `name` repeats, in mixed case, NULL now and then.
 fn heap_spec(table: &TableName) -> TableSpec {

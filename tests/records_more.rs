@@ -464,6 +464,48 @@ async fn without_a_max_lsn_the_guard_has_no_server_time_and_no_snapshot_is_read(
     assert_eq!(s.count("bronze", &format!("_operation = 0 AND _snapshot = '{}'", s2.to_hex())).await, table, "generation 2's snapshot holds the table");
 }
 
+/// A source whose max LSN is always NULL (the capture job has recorded none).
+struct MaxLsnNull;
+
+#[async_trait]
+impl common::Hooks for MaxLsnNull {
+    async fn max_lsn(&self, _inner: &SharedSource) -> Result<Option<Lsn>, SourceError> {
+        Ok(None)
+    }
+}
+
+/// 18.25 through `step`: the recorded recovery's re-snapshot is taken at the
+/// server's max LSN. With max LSN NULL, `step resnapshot` has no S: it exits
+/// 75 and writes nothing, and is not taken as a stream caught up (exit 0,
+/// nothing done, the recovery left without its snapshot). With the server's
+/// max LSN back, the same transition reads the snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn step_resnapshot_without_a_max_lsn_exits_75_and_writes_nothing() {
+    let mut s = Scenario::new(32, GUARDED);
+    s.stream_until_caught_up().await;
+    stop_past_the_retention(&mut s);
+    let mut ctx = s.context().await.unwrap();
+    let out = engine::step::run(&mut ctx, engine::step::parse("recover").unwrap()).await.unwrap();
+    assert_eq!(out["after"]["state"], "recovering", "{out}");
+    drop(ctx);
+
+    let before = versions(&s).await;
+    let mut ctx = s.context().await.unwrap();
+    ctx.source = Arc::new(common::Wrapped::new(ctx.source.clone(), MaxLsnNull));
+    let e = engine::step::run(&mut ctx, engine::step::parse("resnapshot").unwrap()).await.unwrap_err();
+    assert_eq!(e.exit_code(), 75, "no max LSN: call again, not done: {e}");
+    assert!(e.to_string().contains("max LSN is NULL"), "{e}");
+    drop(ctx);
+    assert_eq!(versions(&s).await, before, "nothing written");
+    assert!(events(&facts(&s).await, "resnapshot").iter().all(|r| r.generation < 1), "no re-snapshot of generation 1");
+
+    let mut ctx = s.context().await.unwrap();
+    let out = engine::step::run(&mut ctx, engine::step::parse("resnapshot").unwrap()).await.unwrap();
+    assert_eq!(out["after"]["detail"]["generation"], 1, "{out}");
+    let done = events(&facts(&s).await, "resnapshot").into_iter().filter(|r| r.generation == 1).count();
+    assert_eq!(done, 1, "the re-snapshot of generation 1 is recorded once");
+}
+
 // ---------------------------------------------------------------------------
 // 18.45
 

@@ -12,6 +12,7 @@ pub mod apply;
 pub mod change_order;
 pub mod chunked;
 pub mod coarse;
+pub mod headroom;
 pub mod identity;
 pub mod machine;
 pub mod plan;

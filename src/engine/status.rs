@@ -17,17 +17,13 @@ pub async fn run(ctx: &mut Context) -> StepResult<Value> {
     let instances = super::switch::follow_stream(ctx).await?;
     let st = super::state::load(ctx).await?;
     let max = ctx.source.max_lsn().await?;
-    let min = ctx.source.min_lsn(&ctx.instance.name).await?;
     let position = st.position();
-    let pos_time = match position {
-        Some(p) => ctx.commit_time(p).await?,
-        None => None,
-    };
+    // The headroom is read live (`engine::headroom`): a batch's recorded one
+    // stays put after the stream stops, while cleanup goes on.
+    let headroom = super::headroom::live(&ctx.source, &ctx.zone, &ctx.instance.name, position).await?;
+    let min = headroom.min_lsn;
+    let pos_time = headroom.position_commit_ts;
     let max_time = match max {
-        Some(m) => ctx.commit_time(m).await?,
-        None => None,
-    };
-    let min_time = match min {
         Some(m) => ctx.commit_time(m).await?,
         None => None,
     };
@@ -35,10 +31,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<Value> {
         (Some(p), Some(m)) => Some(((m - p).num_milliseconds() as f64 / 1000.0).max(0.0)),
         _ => None,
     };
-    let headroom_seconds = match (pos_time, min_time) {
-        (Some(p), Some(m)) => Some((p - m).num_milliseconds() as f64 / 1000.0),
-        _ => None,
-    };
+    let headroom_seconds = headroom.seconds;
     let purged = matches!((position, min, max), (Some(p), Some(m), Some(x)) if x > p && p.increment() < m);
     // The state machine's view (`engine::machine`): the state, and the
     // transition each lane (`stream`, `backfill`) would run next.
@@ -59,6 +52,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<Value> {
             "backfill": super::machine::next(&state, &inputs, super::machine::Lane::Snapshot),
         },
     });
+    let last_reconcile = last_reconcile(ctx).await?;
     Ok(json!({
         "step": "status",
         "app_id": ctx.workflow.app_id,
@@ -81,6 +75,35 @@ pub async fn run(ctx: &mut Context) -> StepResult<Value> {
             "recorded_at": b.recorded_at, "headroom_seconds": b.headroom_seconds,
         })),
         "batch_to_repair": st.batch_to_repair(),
+        "last_reconcile": last_reconcile,
         "machine": machine,
     }))
+}
+
+/// The newest reconcile run's summary (run, clean, checked_at), read without
+/// creating anything; `null` when the workflow has no silver or reconcile
+/// has not run.
+async fn last_reconcile(ctx: &Context) -> StepResult<Value> {
+    let Ok(location) = ctx.workflow.reconcile_location() else {
+        return Ok(Value::Null);
+    };
+    let Some(table) = crate::delta::peek_existing(&location, &ctx.storage).await? else {
+        return Ok(Value::Null);
+    };
+    let sql = format!(
+        "SELECT run, detail, checked_at FROM t WHERE app_id = {} AND class = 'SUMMARY' ORDER BY run DESC LIMIT 1",
+        crate::delta::sql_str(&ctx.workflow.app_id)
+    );
+    use deltalake::arrow::array::{Array, Int64Array, StringArray, TimestampMicrosecondArray};
+    let batches = crate::delta::query(&table, &sql).await?;
+    let Some(b) = batches.iter().find(|b| b.num_rows() > 0) else {
+        return Ok(Value::Null);
+    };
+    let bad = || crate::error::StepError::Internal(format!("the reconcile report {location} has a summary row of an unexpected shape"));
+    let run = b.column(0).as_any().downcast_ref::<Int64Array>().ok_or_else(bad)?.value(0);
+    let detail = b.column(1).as_any().downcast_ref::<StringArray>().ok_or_else(bad)?;
+    let detail: Value = if detail.is_null(0) { Value::Null } else { serde_json::from_str(detail.value(0)).unwrap_or(Value::Null) };
+    let at = b.column(2).as_any().downcast_ref::<TimestampMicrosecondArray>().ok_or_else(bad)?;
+    let checked_at = if at.is_null(0) { None } else { chrono::DateTime::<chrono::Utc>::from_timestamp_micros(at.value(0)) };
+    Ok(json!({"run": run, "clean": detail.get("clean").cloned().unwrap_or(Value::Null), "checked_at": checked_at}))
 }

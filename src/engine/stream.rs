@@ -663,10 +663,7 @@ async fn run_batch(
         commit_ts,
         source_max_lsn: source_max,
         retention_watermark_ts: watermark,
-        headroom_seconds: match (commit_ts, watermark) {
-            (Some(c), Some(w)) => Some((c - w).num_milliseconds() as f64 / 1000.0),
-            _ => None,
-        },
+        headroom_seconds: super::headroom::seconds_between(commit_ts, watermark),
         bronze_version: Some(bronze_version),
         recorded_at: Some(chrono::Utc::now()),
         ..Default::default()

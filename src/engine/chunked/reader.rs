@@ -17,7 +17,7 @@ use tokio::sync::Mutex;
 use super::planning::SourceKeys;
 use crate::engine::rules::{rounds_for_wave, PlannedChunk};
 use crate::delta::bronze::{self, SnapshotStamp};
-use crate::delta::{self, sql_str};
+use crate::delta;
 use crate::engine::plan::{self as planner, KeysetShape};
 use crate::error::{StepError, StepResult};
 use crate::failpoint;
@@ -129,7 +129,7 @@ impl Coordinator {
             return Ok(Next::Wait);
         }
         if let Some(h) = self.min_headroom_hours {
-            let headroom = newest_headroom(&self.facts, &self.app, self.generation).await?;
+            let headroom = self.live_headroom().await?;
             if headroom.is_none_or(|s| s < h * 3600.0) {
                 self.paused = true;
                 self.stop_reason = Some(match headroom {
@@ -137,7 +137,10 @@ impl Coordinator {
                         "paused: the stream's retention headroom is {:.2} h, below min_headroom_hours {h}; call again once the stream has caught up",
                         s / 3600.0
                     ),
-                    None => format!("paused: the stream has no batch with a headroom yet (min_headroom_hours {h}); run the stream step first"),
+                    None => format!(
+                        "paused: the stream's retention headroom is not known (min_headroom_hours {h}): no stream batch in this generation yet, \
+                         or the capture instance's min LSN has no commit time; run the stream step first"
+                    ),
                 });
                 return Ok(Next::Done);
             }
@@ -380,23 +383,26 @@ struct ChunkReadOutcome {
     adds: Vec<deltalake::kernel::Add>,
 }
 
-/// The stream's newest batch headroom in this generation, in seconds.
-async fn newest_headroom(facts_table: &DeltaTable, app: &str, generation: i32) -> StepResult<Option<f64>> {
-    let mut t = facts_table.clone();
-    t.update_state().await.map_err(StepError::delta(t.table_url().to_string()))?;
-    let sql = format!(
-        "SELECT headroom_seconds FROM t WHERE app_id = {} AND generation = {generation} AND event IS NULL AND batch_id IS NOT NULL \
-         ORDER BY batch_id DESC LIMIT 1",
-        sql_str(app)
-    );
-    let batches = delta::query(&t, &sql).await?;
-    for b in &batches {
-        use deltalake::arrow::array::{Array, Float64Array};
-        if let Some(a) = b.column(0).as_any().downcast_ref::<Float64Array>() {
-            if a.len() > 0 && !a.is_null(0) {
-                return Ok(Some(a.value(0)));
-            }
-        }
+impl Coordinator {
+    /// The stream's retention headroom now, in seconds (`engine::headroom`):
+    /// its newest batch's position in this generation against the min LSN
+    /// the source reports at this moment, on the instance that batch read.
+    /// `None` when the stream has no batch in this generation yet. The
+    /// batch's recorded headroom is not used: it stays where it was once the
+    /// stream stops, while cleanup goes on.
+    async fn live_headroom(&self) -> StepResult<Option<f64>> {
+        let mut t = self.facts.clone();
+        t.update_state().await.map_err(StepError::delta(t.table_url().to_string()))?;
+        let rows = delta::facts_read::rows_of(&t, &self.app).await?;
+        let newest = rows
+            .iter()
+            .filter(|r| r.generation == self.generation && r.event.is_none() && r.batch_id.is_some())
+            .max_by_key(|r| r.batch_id);
+        let Some((position, instance)) = newest.and_then(|r| r.max_lsn.map(|m| (m, r.capture_instance.clone()))) else {
+            return Ok(None);
+        };
+        let instance = instance.unwrap_or_else(|| self.stream_instance.name.clone());
+        let headroom = crate::engine::headroom::live(&self.keys.source, &self.zone, &instance, Some(position)).await?;
+        Ok(headroom.seconds)
     }
-    Ok(None)
 }
