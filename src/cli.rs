@@ -17,8 +17,24 @@ use crate::error::{StepError, EXIT_BUG, EXIT_CONFIG, EXIT_OK};
 #[command(name = "mssql-cdc", version, about, long_about = None)]
 pub struct Cli {
     /// The workflow file (TOML) of the stream the step works on.
-    #[arg(long, global = true, value_name = "FILE")]
+    #[arg(long, global = true, value_name = "FILE", conflicts_with = "fleet")]
     pub workflow: Option<PathBuf>,
+    /// A fleet file (TOML): shared defaults and one entry per table; name the
+    /// table with --table or run every table with --all (before the step:
+    /// `mssql-cdc --fleet F --all stream`).
+    #[arg(long, value_name = "FILE")]
+    pub fleet: Option<PathBuf>,
+    /// With --fleet: the table to run the step on (schema.table, a table name
+    /// only one entry has, or an app id).
+    #[arg(long, value_name = "NAME", requires = "fleet", conflicts_with = "all")]
+    pub table: Option<String>,
+    /// With --fleet: run the step on every table of the fleet.
+    #[arg(long, requires = "fleet")]
+    pub all: bool,
+    /// With --all: how many tables a call works on at once (within the fleet
+    /// file's fleet.max_source_connections).
+    #[arg(long, value_name = "N", default_value_t = 4, requires = "all")]
+    pub parallel: usize,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -41,8 +57,19 @@ pub enum Command {
     Snapshot,
     /// Read the open chunked snapshot in waves beside the stream; call again until done.
     Backfill(BackfillCli),
-    /// Print the stream's state: generation, position, lag, open snapshot, last batch, headroom.
-    Status,
+    /// Print the stream's state: generation, position, lag, open snapshot, last batch, headroom,
+    /// last reconcile; writes nothing.
+    Status {
+        /// json (the step's JSON only), table (one aligned line per table) or
+        /// prometheus (node_exporter's textfile format); the last stdout line
+        /// is the JSON either way.
+        #[arg(long, value_enum, default_value_t = StatusFormat::Json)]
+        format: StatusFormat,
+        /// Write the table or the metrics to this file (replaced atomically,
+        /// as node_exporter's textfile collector asks) instead of stdout.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
     /// Load an existing copy of the table (a Delta table or a folder of Parquet
     /// files) into bronze as the stream's snapshot at the copy's point.
     Seed {
@@ -111,6 +138,14 @@ pub enum Command {
         #[arg(long, value_enum, default_value_t = DiagramFormat::Mermaid)]
         format: DiagramFormat,
     },
+}
+
+/// The output formats of `status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StatusFormat {
+    Json,
+    Table,
+    Prometheus,
 }
 
 /// The diagram formats of `machine`.
@@ -205,7 +240,13 @@ pub fn main() -> i32 {
             return EXIT_BUG;
         }
     };
-    let workflow = cli.workflow.clone();
+    // The engine names the command to run next as `--workflow FILE` (it
+    // does not know how it was called); here the file is known.
+    let rerun_as = match (&cli.workflow, &cli.fleet, &cli.table) {
+        (Some(w), _, _) => Some(format!("--workflow {}", w.display())),
+        (None, Some(f), Some(t)) => Some(format!("--fleet {} --table {t}", f.display())),
+        _ => None,
+    };
     let outcome = runtime.block_on(run(cli));
     match outcome {
         Ok((value, code)) => {
@@ -213,11 +254,9 @@ pub fn main() -> i32 {
             code
         }
         Err(e) => {
-            // The engine names the command to run next as `--workflow FILE`
-            // (it does not know how it was called); here the file is known.
             let mut message = error_chain(&e);
-            if let Some(w) = &workflow {
-                message = message.replace("--workflow FILE", &format!("--workflow {}", w.display()));
+            if let Some(r) = &rerun_as {
+                message = message.replace("--workflow FILE", r);
             }
             tracing::error!("{message}");
             println!("{}", json!({"ok": false, "kind": e.kind(), "exit_code": e.exit_code(), "error": message}));
@@ -226,20 +265,7 @@ pub fn main() -> i32 {
     }
 }
 
-/// An error with its causes, outermost first.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let t = c.to_string();
-        if !s.contains(&t) {
-            s.push_str(": ");
-            s.push_str(&t);
-        }
-        cur = c.source();
-    }
-    s
-}
+pub use crate::error::error_chain;
 
 /// The variable that arms failpoints in this binary (crash drills, tests).
 pub const FAILPOINTS_ENV: &str = "MSSQL_CDC_FAILPOINTS";
@@ -282,72 +308,261 @@ fn workflow_path(cli_path: &Option<PathBuf>) -> Result<PathBuf, StepError> {
     cli_path.clone().ok_or_else(|| StepError::Config("this step needs --workflow FILE (the stream's TOML workflow file)".into()))
 }
 
+/// A workflow step with its arguments checked (before any workflow file is
+/// read, so bad arguments are refused first).
+#[derive(Debug, Clone)]
+enum WorkflowStep {
+    Stream { max_batches: Option<u32>, resnapshot_interval_days: Option<f64> },
+    Snapshot,
+    Backfill(crate::engine::chunked::BackfillArgs),
+    Status,
+    Seed(crate::engine::seed::SeedArgs),
+    Apply,
+    Reconcile,
+    Step(Option<crate::engine::machine::Transition>),
+}
+
+impl WorkflowStep {
+    /// The step a command names, its arguments checked; `None` for the
+    /// commands that work on no workflow.
+    fn of(command: &Command) -> Result<Option<WorkflowStep>, StepError> {
+        Ok(Some(match command {
+            Command::Stream { max_batches, resnapshot_interval_days } => {
+                if let Some(d) = resnapshot_interval_days {
+                    if !(*d >= 0.0 && d.is_finite()) {
+                        return Err(StepError::Config(format!("--resnapshot-interval-days is {d}: use 0 or more days")));
+                    }
+                }
+                WorkflowStep::Stream { max_batches: *max_batches, resnapshot_interval_days: *resnapshot_interval_days }
+            }
+            Command::Snapshot => WorkflowStep::Snapshot,
+            Command::Backfill(flags) => WorkflowStep::Backfill(flags.to_args()?),
+            Command::Status { .. } => WorkflowStep::Status,
+            Command::Seed { copy, as_of, reseed, allow_missing_columns } => {
+                let as_of = crate::engine::seed::AsOf::parse(as_of)?;
+                WorkflowStep::Seed(crate::engine::seed::SeedArgs { copy: copy.clone(), as_of, reseed: *reseed, allow_missing_columns: *allow_missing_columns })
+            }
+            Command::Apply => WorkflowStep::Apply,
+            Command::Reconcile => WorkflowStep::Reconcile,
+            Command::Step { transition } => WorkflowStep::Step(crate::engine::step::parse(transition)?),
+            _ => return Ok(None),
+        }))
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            WorkflowStep::Stream { .. } => "stream",
+            WorkflowStep::Snapshot => "snapshot",
+            WorkflowStep::Backfill(_) => "backfill",
+            WorkflowStep::Status => "status",
+            WorkflowStep::Seed(_) => "seed",
+            WorkflowStep::Apply => "apply",
+            WorkflowStep::Reconcile => "reconcile",
+            WorkflowStep::Step(_) => "step",
+        }
+    }
+
+    /// The source connections the step may hold at once on `wf`: the steps
+    /// that can read a snapshot use `snapshot.parallelism`.
+    fn source_connections(&self, wf: &crate::workflow::Workflow) -> usize {
+        match self {
+            WorkflowStep::Stream { .. } | WorkflowStep::Snapshot | WorkflowStep::Backfill(_) | WorkflowStep::Step(_) => wf.snapshot.parallelism.max(1),
+            _ => 1,
+        }
+    }
+
+    /// Runs the step on one workflow.
+    async fn run(&self, mut wf: crate::workflow::Workflow) -> Result<(Value, i32), StepError> {
+        use crate::engine::Context;
+        match self {
+            WorkflowStep::Stream { max_batches, resnapshot_interval_days } => {
+                if let Some(n) = max_batches {
+                    wf.stream.max_batches = (*n).max(1);
+                }
+                if let Some(d) = resnapshot_interval_days {
+                    wf.stream.resnapshot_interval_days = *d;
+                }
+                let mut ctx = Context::open(wf).await?;
+                let r = crate::engine::coarse::stream(&mut ctx).await?;
+                Ok((serde_json::to_value(&r).unwrap_or(Value::Null), EXIT_OK))
+            }
+            WorkflowStep::Snapshot => {
+                let mut ctx = Context::open(wf).await?;
+                if ctx.workflow.snapshot.mode == crate::workflow::SnapshotMode::Chunked {
+                    let v = match crate::engine::chunked::ensure_bootstrap_open(&mut ctx).await? {
+                        Some(r) => serde_json::to_value(&r).unwrap_or(Value::Null),
+                        None => {
+                            let st = crate::engine::state::load(&mut ctx).await?;
+                            json!({"step": "snapshot", "mode": "chunked", "already_done": true, "snapshot_lsn": st.snapshot, "generation": st.generation})
+                        }
+                    };
+                    return Ok((v, EXIT_OK));
+                }
+                let r = crate::engine::snapshot::ensure_bootstrap(&mut ctx).await?;
+                Ok((serde_json::to_value(&r).unwrap_or(Value::Null), EXIT_OK))
+            }
+            WorkflowStep::Backfill(args) => {
+                let mut ctx = Context::open(wf).await?;
+                let r = crate::engine::chunked::backfill(&mut ctx, args).await?;
+                // Paused on headroom: "call again later"; otherwise progress (call again until done).
+                let code = if r.paused { crate::error::EXIT_TEMPORARY } else { EXIT_OK };
+                Ok((serde_json::to_value(&r).unwrap_or(Value::Null), code))
+            }
+            WorkflowStep::Status => {
+                // Status writes nothing: a stream that has not started reads as empty.
+                let mut ctx = Context::open_read_only(wf).await?;
+                Ok((crate::engine::status::run(&mut ctx).await?, EXIT_OK))
+            }
+            WorkflowStep::Seed(args) => {
+                let mut ctx = Context::open(wf).await?;
+                let r = crate::engine::seed::run(&mut ctx, args).await?;
+                Ok((serde_json::to_value(&r).unwrap_or(Value::Null), EXIT_OK))
+            }
+            WorkflowStep::Apply => {
+                let mut ctx = Context::open(wf).await?;
+                let r = crate::engine::apply::run(&mut ctx).await?;
+                Ok((serde_json::to_value(&r).unwrap_or(Value::Null), EXIT_OK))
+            }
+            WorkflowStep::Reconcile => {
+                let mut ctx = Context::open(wf).await?;
+                let r = crate::engine::reconcile::run(&mut ctx).await?;
+                let code = if r.clean { EXIT_OK } else { crate::error::EXIT_NEEDS_PERSON };
+                Ok((serde_json::to_value(&r).unwrap_or(Value::Null), code))
+            }
+            WorkflowStep::Step(wanted) => {
+                let mut ctx = Context::open(wf).await?;
+                Ok((crate::engine::step::run(&mut ctx, *wanted).await?, EXIT_OK))
+            }
+        }
+    }
+}
+
+/// `status --format table|prometheus`: renders the lines, prints them or
+/// writes them to `out`; the JSON stays the last stdout line.
+fn render_status(lines: &[crate::fleet::status::StatusLine], format: StatusFormat, out: Option<&std::path::Path>) -> Result<Option<String>, StepError> {
+    let text = match format {
+        StatusFormat::Json => return Ok(None),
+        StatusFormat::Table => crate::fleet::status::table(lines),
+        StatusFormat::Prometheus => crate::fleet::status::prometheus(lines),
+    };
+    match out {
+        Some(path) => {
+            crate::fleet::status::write_atomically(path, &text)
+                .map_err(|e| StepError::Config(format!("cannot write {}: {e}. Pass --out a file in a folder that exists and is writable", path.display())))?;
+            Ok(Some(path.display().to_string()))
+        }
+        None => {
+            print!("{text}");
+            Ok(None)
+        }
+    }
+}
+
+/// Runs a workflow step on the tables of a fleet file (`--table` or `--all`).
+async fn run_fleet(cli: &Cli, fleet_path: &std::path::Path, step: WorkflowStep) -> Result<(Value, i32), StepError> {
+    let fleet = crate::fleet::Fleet::load(fleet_path)?;
+    let selected = fleet.select(cli.table.as_deref(), cli.all)?;
+    if cli.all && matches!(step, WorkflowStep::Seed(_)) {
+        return Err(StepError::Config("seed loads one table's copy: name the table with --table NAME, not --all".into()));
+    }
+    if cli.parallel == 0 {
+        return Err(StepError::Config("--parallel is 0: use 1 or more".into()));
+    }
+    let status_format = match &cli.command {
+        Command::Status { format, out } => Some((*format, out.clone())),
+        _ => None,
+    };
+    if !cli.all {
+        let wf = selected.into_iter().next().expect("select names one table");
+        let (table, app) = (format!("{}.{}", wf.table.schema, wf.table.name), wf.app_id.clone());
+        let (value, code) = step.run(wf).await?;
+        if let Some((format, out)) = status_format {
+            let line = crate::fleet::status::StatusLine::from_status(&table, &app, &value, chrono::Utc::now());
+            if let Some(written) = render_status(&[line], format, out.as_deref())? {
+                let mut value = value;
+                value["out"] = json!(written);
+                return Ok((value, code));
+            }
+        }
+        return Ok((value, code));
+    }
+    let step_name = step.name();
+    let budget = fleet.max_source_connections;
+    let outcomes = crate::fleet::run_many(
+        selected,
+        cli.parallel,
+        budget,
+        |wf| step.source_connections(wf),
+        |wf| {
+            let step = step.clone();
+            async move { step.run(wf).await }
+        },
+    )
+    .await;
+    let mut tables = Vec::with_capacity(outcomes.len());
+    for o in &outcomes {
+        let mut v = o.to_json();
+        if let Some(e) = v["result"]["error"].as_str() {
+            let e = e.replace("--workflow FILE", &format!("--fleet {} --table {}", fleet_path.display(), o.table));
+            v["result"]["error"] = json!(e);
+        }
+        tables.push(v);
+    }
+    let code = crate::fleet::fleet_exit_code(&outcomes);
+    let failed = outcomes.iter().filter(|o| o.exit_code != EXIT_OK).count();
+    let mut value = json!({
+        "step": step_name,
+        "fleet": fleet_path.display().to_string(),
+        "tables": tables,
+        "succeeded": outcomes.len() - failed,
+        "failed": failed,
+        "exit_code": code,
+    });
+    if let Some((format, out)) = status_format {
+        let now = chrono::Utc::now();
+        let lines: Vec<crate::fleet::status::StatusLine> = outcomes
+            .iter()
+            .map(|o| match o.value["error"].as_str() {
+                Some(e) if o.exit_code != EXIT_OK => crate::fleet::status::StatusLine::failed(&o.table, &o.app_id, e),
+                _ => crate::fleet::status::StatusLine::from_status(&o.table, &o.app_id, &o.value, now),
+            })
+            .collect();
+        if let Some(written) = render_status(&lines, format, out.as_deref())? {
+            value["out"] = json!(written);
+        }
+    }
+    Ok((value, code))
+}
+
 /// Runs one command; returns its JSON result and exit code.
 pub async fn run(cli: Cli) -> Result<(Value, i32), StepError> {
+    if let Some(step) = WorkflowStep::of(&cli.command)? {
+        if let Some(fleet) = cli.fleet.clone() {
+            return run_fleet(&cli, &fleet, step).await;
+        }
+        let wf = crate::workflow::Workflow::load(&workflow_path(&cli.workflow)?)?;
+        let (table, app) = (format!("{}.{}", wf.table.schema, wf.table.name), wf.app_id.clone());
+        let (mut value, code) = step.run(wf).await?;
+        if let Command::Status { format, out } = &cli.command {
+            let line = crate::fleet::status::StatusLine::from_status(&table, &app, &value, chrono::Utc::now());
+            if let Some(written) = render_status(&[line], *format, out.as_deref())? {
+                value["out"] = json!(written);
+            }
+        }
+        return Ok((value, code));
+    }
+    if cli.fleet.is_some() {
+        return Err(StepError::Config("--fleet works with the workflow steps (stream, snapshot, backfill, status, seed, apply, reconcile, step)".into()));
+    }
     match cli.command {
-        Command::Stream { max_batches, resnapshot_interval_days } => {
-            let mut wf = crate::workflow::Workflow::load(&workflow_path(&cli.workflow)?)?;
-            if let Some(n) = max_batches {
-                wf.stream.max_batches = n.max(1);
-            }
-            if let Some(d) = resnapshot_interval_days {
-                if !(d >= 0.0 && d.is_finite()) {
-                    return Err(StepError::Config(format!("--resnapshot-interval-days is {d}: use 0 or more days")));
-                }
-                wf.stream.resnapshot_interval_days = d;
-            }
-            let mut ctx = crate::engine::Context::open(wf).await?;
-            let r = crate::engine::coarse::stream(&mut ctx).await?;
-            Ok((serde_json::to_value(&r).unwrap_or(Value::Null), EXIT_OK))
-        }
-        Command::Snapshot => {
-            let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;
-            if ctx.workflow.snapshot.mode == crate::workflow::SnapshotMode::Chunked {
-                let v = match crate::engine::chunked::ensure_bootstrap_open(&mut ctx).await? {
-                    Some(r) => serde_json::to_value(&r).unwrap_or(Value::Null),
-                    None => {
-                        let st = crate::engine::state::load(&mut ctx).await?;
-                        json!({"step": "snapshot", "mode": "chunked", "already_done": true, "snapshot_lsn": st.snapshot, "generation": st.generation})
-                    }
-                };
-                return Ok((v, EXIT_OK));
-            }
-            let r = crate::engine::snapshot::ensure_bootstrap(&mut ctx).await?;
-            Ok((serde_json::to_value(&r).unwrap_or(Value::Null), EXIT_OK))
-        }
-        Command::Backfill(flags) => {
-            let args = flags.to_args()?;
-            let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;
-            let r = crate::engine::chunked::backfill(&mut ctx, &args).await?;
-            // Paused on headroom: "call again later"; otherwise progress (call again until done).
-            let code = if r.paused { crate::error::EXIT_TEMPORARY } else { EXIT_OK };
-            Ok((serde_json::to_value(&r).unwrap_or(Value::Null), code))
-        }
-        Command::Status => {
-            // Status writes nothing: a stream that has not started reads as empty.
-            let wf = crate::workflow::Workflow::load(&workflow_path(&cli.workflow)?)?;
-            let mut ctx = crate::engine::Context::open_read_only(wf).await?;
-            Ok((crate::engine::status::run(&mut ctx).await?, EXIT_OK))
-        }
-        Command::Seed { copy, as_of, reseed, allow_missing_columns } => {
-            // The arguments are checked before the workflow's targets are opened.
-            let as_of = crate::engine::seed::AsOf::parse(&as_of)?;
-            let args = crate::engine::seed::SeedArgs { copy, as_of, reseed, allow_missing_columns };
-            let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;
-            let r = crate::engine::seed::run(&mut ctx, &args).await?;
-            Ok((serde_json::to_value(&r).unwrap_or(Value::Null), EXIT_OK))
-        }
-        Command::Apply => {
-            let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;
-            let r = crate::engine::apply::run(&mut ctx).await?;
-            Ok((serde_json::to_value(&r).unwrap_or(Value::Null), EXIT_OK))
-        }
-        Command::Reconcile => {
-            let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;
-            let r = crate::engine::reconcile::run(&mut ctx).await?;
-            let code = if r.clean { EXIT_OK } else { crate::error::EXIT_NEEDS_PERSON };
-            Ok((serde_json::to_value(&r).unwrap_or(Value::Null), code))
-        }
+        Command::Stream { .. }
+        | Command::Snapshot
+        | Command::Backfill(_)
+        | Command::Status { .. }
+        | Command::Seed { .. }
+        | Command::Apply
+        | Command::Reconcile
+        | Command::Step { .. } => unreachable!("workflow steps are run above"),
         Command::Sim(cmd) => {
             let v = tokio::task::spawn_blocking(move || crate::sim::cli::run(cmd))
                 .await
@@ -356,12 +571,6 @@ pub async fn run(cli: Cli) -> Result<(Value, i32), StepError> {
             Ok((v, EXIT_OK))
         }
         Command::Bench(cmd) => Ok((crate::bench::run(cmd).await?, EXIT_OK)),
-        Command::Step { transition } => {
-            // The name is checked before the workflow's targets are opened.
-            let wanted = crate::engine::step::parse(&transition)?;
-            let mut ctx = crate::engine::open_workflow(&workflow_path(&cli.workflow)?).await?;
-            Ok((crate::engine::step::run(&mut ctx, wanted).await?, EXIT_OK))
-        }
         Command::Machine { format } => {
             use crate::engine::machine;
             let diagram = match format {

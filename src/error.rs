@@ -108,3 +108,18 @@ impl StepError {
 
 /// Results of the step layer.
 pub type StepResult<T> = Result<T, StepError>;
+
+/// An error with its causes, outermost first.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cur = c.source();
+    }
+    s
+}

@@ -7,6 +7,7 @@ pub mod connect;
 pub mod delta;
 pub mod demo;
 pub mod engine;
+pub mod fleet;
 pub mod error;
 pub mod lsn;
 pub mod mssql;

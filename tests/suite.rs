@@ -16,6 +16,8 @@ mod collations;
 mod concurrent_first;
 #[path = "facts_read.rs"]
 mod facts_read;
+#[path = "fleet.rs"]
+mod fleet;
 #[path = "heap_silver.rs"]
 mod heap_silver;
 #[path = "identity_cli.rs"]
