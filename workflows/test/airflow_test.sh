@@ -3,7 +3,7 @@
 # (dag.test(), no scheduler) against the simulator: two tables (one chunked
 # bootstrap, one full), a source fault retried on exit 75, a bad workflow
 # file failing its own tasks without retry (airflow_dag_test.py says what it
-# checks). Gated: .ci/run does not call it. See workflows/README.md.
+# checks). .ci/run calls it after the Rust tests. See workflows/README.md.
 #
 #   usage: workflows/test/airflow_test.sh
 #   MSSQL_CDC_BIN     the binary (default: mssql-cdc on PATH)
