@@ -70,6 +70,14 @@ pub enum Command {
         #[arg(long, value_name = "FILE")]
         out: Option<PathBuf>,
     },
+    /// Write an HTML page per table (lag and rows per batch, headroom, snapshot
+    /// waves and throughput, events, reconcile verdicts) and an index, drawn
+    /// from the Delta tables alone; reads no source, needs no network to view.
+    Report {
+        /// The folder to write into (made if missing): index.html and a page per table.
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
     /// Load an existing copy of the table (a Delta table or a folder of Parquet
     /// files) into bronze as the stream's snapshot at the copy's point.
     Seed {
@@ -316,6 +324,7 @@ enum WorkflowStep {
     Snapshot,
     Backfill(crate::engine::chunked::BackfillArgs),
     Status,
+    Report(PathBuf),
     Seed(crate::engine::seed::SeedArgs),
     Apply,
     Reconcile,
@@ -338,6 +347,7 @@ impl WorkflowStep {
             Command::Snapshot => WorkflowStep::Snapshot,
             Command::Backfill(flags) => WorkflowStep::Backfill(flags.to_args()?),
             Command::Status { .. } => WorkflowStep::Status,
+            Command::Report { out } => WorkflowStep::Report(out.clone()),
             Command::Seed { copy, as_of, reseed, allow_missing_columns } => {
                 let as_of = crate::engine::seed::AsOf::parse(as_of)?;
                 WorkflowStep::Seed(crate::engine::seed::SeedArgs { copy: copy.clone(), as_of, reseed: *reseed, allow_missing_columns: *allow_missing_columns })
@@ -355,6 +365,7 @@ impl WorkflowStep {
             WorkflowStep::Snapshot => "snapshot",
             WorkflowStep::Backfill(_) => "backfill",
             WorkflowStep::Status => "status",
+            WorkflowStep::Report(_) => "report",
             WorkflowStep::Seed(_) => "seed",
             WorkflowStep::Apply => "apply",
             WorkflowStep::Reconcile => "reconcile",
@@ -413,6 +424,7 @@ impl WorkflowStep {
                 let mut ctx = Context::open_read_only(wf).await?;
                 Ok((crate::engine::status::run(&mut ctx).await?, EXIT_OK))
             }
+            WorkflowStep::Report(out) => Ok((crate::report::run(&wf, out).await?, EXIT_OK)),
             WorkflowStep::Seed(args) => {
                 let mut ctx = Context::open(wf).await?;
                 let r = crate::engine::seed::run(&mut ctx, args).await?;
@@ -475,7 +487,10 @@ async fn run_fleet(cli: &Cli, fleet_path: &std::path::Path, step: WorkflowStep) 
     if !cli.all {
         let wf = selected.into_iter().next().expect("select names one table");
         let (table, app) = (format!("{}.{}", wf.table.schema, wf.table.name), wf.app_id.clone());
-        let (value, code) = step.run(wf).await?;
+        let (mut value, code) = step.run(wf).await?;
+        if let WorkflowStep::Report(out) = &step {
+            value["index"] = json!(crate::report::write_index(out, &[(table.clone(), app.clone(), value.clone())])?.display().to_string());
+        }
         if let Some((format, out)) = status_format {
             let line = crate::fleet::status::StatusLine::from_status(&table, &app, &value, chrono::Utc::now());
             if let Some(written) = render_status(&[line], format, out.as_deref())? {
@@ -518,6 +533,10 @@ async fn run_fleet(cli: &Cli, fleet_path: &std::path::Path, step: WorkflowStep) 
         "failed": failed,
         "exit_code": code,
     });
+    if let WorkflowStep::Report(out) = &step {
+        let tables: Vec<(String, String, Value)> = outcomes.iter().map(|o| (o.table.clone(), o.app_id.clone(), o.value.clone())).collect();
+        value["index"] = json!(crate::report::write_index(out, &tables)?.display().to_string());
+    }
     if let Some((format, out)) = status_format {
         let now = chrono::Utc::now();
         let lines: Vec<crate::fleet::status::StatusLine> = outcomes
@@ -543,6 +562,9 @@ pub async fn run(cli: Cli) -> Result<(Value, i32), StepError> {
         let wf = crate::workflow::Workflow::load(&workflow_path(&cli.workflow)?)?;
         let (table, app) = (format!("{}.{}", wf.table.schema, wf.table.name), wf.app_id.clone());
         let (mut value, code) = step.run(wf).await?;
+        if let WorkflowStep::Report(out) = &step {
+            value["index"] = json!(crate::report::write_index(out, &[(table.clone(), app.clone(), value.clone())])?.display().to_string());
+        }
         if let Command::Status { format, out } = &cli.command {
             let line = crate::fleet::status::StatusLine::from_status(&table, &app, &value, chrono::Utc::now());
             if let Some(written) = render_status(&[line], *format, out.as_deref())? {
@@ -552,13 +574,14 @@ pub async fn run(cli: Cli) -> Result<(Value, i32), StepError> {
         return Ok((value, code));
     }
     if cli.fleet.is_some() {
-        return Err(StepError::Config("--fleet works with the workflow steps (stream, snapshot, backfill, status, seed, apply, reconcile, step)".into()));
+        return Err(StepError::Config("--fleet works with the workflow steps (stream, snapshot, backfill, status, report, seed, apply, reconcile, step)".into()));
     }
     match cli.command {
         Command::Stream { .. }
         | Command::Snapshot
         | Command::Backfill(_)
         | Command::Status { .. }
+        | Command::Report { .. }
         | Command::Seed { .. }
         | Command::Apply
         | Command::Reconcile

@@ -196,6 +196,17 @@ fn is_uncommitted_log_entry(path: &str) -> bool {
 /// Checks that an existing table is of the expected kind and migrates it to
 /// this release's schema version.
 pub async fn check_kind_and_migrate(table: &mut DeltaTable, location: &str, kind: TableKind, schema: &SchemaRef) -> StepResult<()> {
+    let version = check_kind(table, location, kind)?;
+    if version < kind.current_version() {
+        migrate(table, location, kind, version, schema).await?;
+    }
+    Ok(())
+}
+
+/// Checks that an existing table is of the expected kind and of a schema
+/// version this release knows; returns that version (a reader that writes
+/// nothing checks with this and leaves the migration to the steps).
+pub fn check_kind(table: &DeltaTable, location: &str, kind: TableKind) -> StepResult<u32> {
     let config = table.snapshot().map_err(StepError::delta(location))?.metadata().configuration().clone();
     let found_kind = config.get(PROP_KIND).cloned();
     if found_kind.as_deref() != Some(kind.name()) {
@@ -215,10 +226,7 @@ pub async fn check_kind_and_migrate(table: &mut DeltaTable, location: &str, kind
             kind.name()
         )));
     }
-    if version < current {
-        migrate(table, location, kind, version, schema).await?;
-    }
-    Ok(())
+    Ok(version)
 }
 
 /// Applies the migrations after `from` to an existing table.

@@ -5,12 +5,13 @@
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use deltalake::arrow::array::{ArrayRef, Int64Array, StringArray, TimestampMicrosecondArray};
+use deltalake::arrow::array::{Array, ArrayRef, Int64Array, StringArray, TimestampMicrosecondArray};
 use deltalake::arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use deltalake::arrow::record_batch::RecordBatch;
 use serde::{Deserialize, Serialize};
 
 use super::Migration;
+use crate::error::{StepError, StepResult};
 
 /// The report's schema history.
 pub static MIGRATIONS: &[Migration] = &[Migration {
@@ -97,4 +98,25 @@ pub fn to_batch(rows: &[ReportRow]) -> RecordBatch {
         Arc::new(rows.iter().map(|r| r.checked_at.map(|t| t.timestamp_micros())).collect::<TimestampMicrosecondArray>().with_timezone("UTC")),
     ];
     RecordBatch::try_new(schema(), cols).expect("report columns match the schema")
+}
+
+/// The SUMMARY rows of a `SELECT run, detail, checked_at` over the report,
+/// in the order read: (run, detail as JSON, checked_at).
+pub fn summaries_from_batches(batches: &[RecordBatch], location: &str) -> StepResult<Vec<(i64, Option<serde_json::Value>, Option<DateTime<Utc>>)>> {
+    let bad = || StepError::Internal(format!("the reconcile report {location} has a summary row of an unexpected shape"));
+    let mut out = Vec::new();
+    for b in batches {
+        if b.num_columns() < 3 {
+            return Err(bad());
+        }
+        let run = b.column(0).as_any().downcast_ref::<Int64Array>().ok_or_else(bad)?;
+        let detail = b.column(1).as_any().downcast_ref::<StringArray>().ok_or_else(bad)?;
+        let at = b.column(2).as_any().downcast_ref::<TimestampMicrosecondArray>().ok_or_else(bad)?;
+        for i in 0..b.num_rows() {
+            let d = if detail.is_null(i) { None } else { serde_json::from_str(detail.value(i)).ok() };
+            let t = if at.is_null(i) { None } else { DateTime::<Utc>::from_timestamp_micros(at.value(i)) };
+            out.push((run.value(i), d, t));
+        }
+    }
+    Ok(out)
 }

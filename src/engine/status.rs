@@ -94,16 +94,10 @@ async fn last_reconcile(ctx: &Context) -> StepResult<Value> {
         "SELECT run, detail, checked_at FROM t WHERE app_id = {} AND class = 'SUMMARY' ORDER BY run DESC LIMIT 1",
         crate::delta::sql_str(&ctx.workflow.app_id)
     );
-    use deltalake::arrow::array::{Array, Int64Array, StringArray, TimestampMicrosecondArray};
     let batches = crate::delta::query(&table, &sql).await?;
-    let Some(b) = batches.iter().find(|b| b.num_rows() > 0) else {
+    let Some((run, detail, checked_at)) = crate::delta::reconcile::summaries_from_batches(&batches, &location)?.into_iter().next() else {
         return Ok(Value::Null);
     };
-    let bad = || crate::error::StepError::Internal(format!("the reconcile report {location} has a summary row of an unexpected shape"));
-    let run = b.column(0).as_any().downcast_ref::<Int64Array>().ok_or_else(bad)?.value(0);
-    let detail = b.column(1).as_any().downcast_ref::<StringArray>().ok_or_else(bad)?;
-    let detail: Value = if detail.is_null(0) { Value::Null } else { serde_json::from_str(detail.value(0)).unwrap_or(Value::Null) };
-    let at = b.column(2).as_any().downcast_ref::<TimestampMicrosecondArray>().ok_or_else(bad)?;
-    let checked_at = if at.is_null(0) { None } else { chrono::DateTime::<chrono::Utc>::from_timestamp_micros(at.value(0)) };
+    let detail = detail.unwrap_or(Value::Null);
     Ok(json!({"run": run, "clean": detail.get("clean").cloned().unwrap_or(Value::Null), "checked_at": checked_at}))
 }

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Renders `mssql-cdc report` pages in headless Chromium (Debian's package,
+# driven by Playwright) and checks each chart against what the steps said
+# they did (report_test.py says what it checks). .ci/run calls it after the
+# Rust tests; it installs Chromium with apt-get when the machine lacks it,
+# and Playwright into a venv (workflows/test/venv.sh).
+#
+#   usage: tests/report/report_test.sh
+#   MSSQL_CDC_BIN       the binary (default: mssql-cdc on PATH)
+#   CHROMIUM            the browser (default /usr/bin/chromium)
+#   REPORT_SCREENSHOTS  where the pages' screenshots go (default: the temp dir)
+#
+# Exit 0 when every check passed, 1 when one failed, 2 when it could not run.
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+BIN=${MSSQL_CDC_BIN:-mssql-cdc}
+if ! BIN=$(command -v "$BIN"); then
+  echo "report_test: no mssql-cdc binary (set MSSQL_CDC_BIN)" >&2
+  exit 2
+fi
+export MSSQL_CDC_BIN=$BIN MSSQL_CDC_LOG=${MSSQL_CDC_LOG:-warn}
+export CHROMIUM=${CHROMIUM:-/usr/bin/chromium}
+t0=$SECONDS
+if [[ ! -x $CHROMIUM ]]; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    echo "report_test: installing Debian's chromium" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/tmp/report_test_apt.log 2>&1 ||
+      { tail -20 /tmp/report_test_apt.log >&2; echo "report_test: apt-get install chromium failed" >&2; exit 2; }
+  else
+    echo "report_test: no browser at $CHROMIUM; install Debian's chromium (apt-get install chromium) or set CHROMIUM" >&2
+    exit 2
+  fi
+fi
+chromium_seconds=$((SECONDS - t0))
+# shellcheck source=../../workflows/test/venv.sh
+source "$HERE/../../workflows/test/venv.sh"
+ensure_venv "playwright-1.65.2" "playwright==1.65.2" || exit 2
+code=0
+"$VENV/bin/python" "$HERE/report_test.py" || code=$?
+echo "report_test: $("$CHROMIUM" --version 2>/dev/null | head -1), install ${chromium_seconds}s, playwright install ${INSTALL_SECONDS}s (0: venv reused); exit $code"
+exit "$code"
