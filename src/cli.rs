@@ -309,7 +309,7 @@ fn init_logging(default_filter: &str) {
     // Colours only on a terminal: a log file or an orchestrator's log view
     // gets plain text, not escape codes.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).with_target(false).try_init();
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(crate::progress::LogWriter).with_ansi(ansi).with_target(false).try_init();
 }
 
 fn workflow_path(cli_path: &Option<PathBuf>) -> Result<PathBuf, StepError> {

@@ -11,6 +11,7 @@ pub mod fleet;
 pub mod error;
 pub mod lsn;
 pub mod mssql;
+pub mod progress;
 pub mod report;
 pub mod seed_copy;
 pub mod sim;

@@ -888,7 +888,11 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     let mut repeated: Vec<Difference> = Vec::new();
     let mut heap_counts: Option<(Counts, Counts)> = None;
     let mut rows_compared = 0u64;
+    // A bar of the ranges compared, on a terminal only (`crate::progress`).
+    let bar = crate::progress::Progress::new(&format!("reconcile of {}", ctx.workflow.table_name()), "ranges", Some(ranges.len() as u64));
     for (bucket, range) in &ranges {
+        bar.inc(1);
+        bar.set_message(format!("· {rows_compared} rows compared"));
         if is_heap {
             let counted = heap_sides(ctx, &silver_table, &columns, iso).await?;
             rows_source = counted.0.values().map(|(_, n)| *n as u64).sum();
@@ -923,6 +927,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         repeated.extend(repeated_keys(&source_repeated, &target_repeated, *bucket));
         compared.push((*bucket, source_side, target_side));
     }
+    bar.finish();
     // After the source reads: the server's clock (every transaction they
     // saw ended at or before it), then what the stream has not read yet and
     // what silver has not applied.

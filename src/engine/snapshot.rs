@@ -446,12 +446,22 @@ pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Opti
         }));
     }
     drop(tx);
+    // A bar on a terminal only (`crate::progress`); its total is the
+    // source's estimate, asked only when the bar is drawn.
+    let progress = if crate::progress::enabled() {
+        let total = ctx.source.row_estimate(&ctx.workflow.table_name()).await.ok();
+        crate::progress::Progress::rows(&format!("full snapshot of {}", ctx.workflow.table_name()), total)
+    } else {
+        crate::progress::Progress::default()
+    };
     let rows_stream = tokio_stream_from(rx);
     let counted = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(0));
     let c2 = counted.clone();
+    let p2 = progress.clone();
     let rows_stream = rows_stream.inspect(move |b| {
         if let Ok(b) = b {
             c2.fetch_add(b.num_rows() as i64, std::sync::atomic::Ordering::Relaxed);
+            p2.inc(b.num_rows() as u64);
         }
     });
     // Step 3 of the recovery (adr-0018): once every row is read and before
@@ -482,6 +492,7 @@ pub async fn take_full(ctx: &mut Context, generation: i32, kind: &str, gap: Opti
     for r in readers {
         let _ = r.await;
     }
+    progress.finish();
     let purged_min = purged.lock().expect("lock").take();
     if let Some(min) = purged_min {
         return Err(record_failed(ctx, generation, s, min, "CDC cleanup passed its LSN before the read ended").await);

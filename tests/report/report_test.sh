@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Renders `mssql-cdc report` pages in headless Chromium (Debian's package,
 # driven by Playwright) and checks each chart against what the steps said
-# they did (report_test.py says what it checks). .ci/run calls it after the
+# they did (report_test.py says what it checks); then runs the long steps
+# with stderr on a pseudo-terminal and on a pipe (progress_test.py). .ci/run calls it after the
 # Rust tests; it installs Chromium with apt-get when the machine lacks it,
 # and Playwright into a venv (workflows/test/venv.sh).
 #
@@ -37,5 +38,7 @@ source "$HERE/../../workflows/test/venv.sh"
 ensure_venv "playwright-1.65.2" "playwright==1.65.2" || exit 2
 code=0
 "$VENV/bin/python" "$HERE/report_test.py" || code=$?
+# The long steps' progress bars: drawn on a terminal, absent on a pipe.
+python3 "$HERE/progress_test.py" || code=1
 echo "report_test: $("$CHROMIUM" --version 2>/dev/null | head -1), install ${chromium_seconds}s, playwright install ${INSTALL_SECONDS}s (0: venv reused); exit $code"
 exit "$code"

@@ -382,6 +382,10 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
     }
     drop(tx);
     drop(commits_seen);
+    // A bar of chunks on a terminal only (`crate::progress`).
+    let bar = crate::progress::Progress::new(&format!("backfill of {}", ctx.workflow.table_name()), "chunks", Some(sink.chunks_total as u64));
+    bar.set_position(sink.done.len() as u64);
+    let mut rows_read: i64 = 0;
     let mut waves: BTreeMap<i64, WaveAcc> = BTreeMap::new();
     let mut next_commit = first_wave;
     let mut failure: Option<StepError> = None;
@@ -391,6 +395,9 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
                 waves.insert(wave, WaveAcc { expected: chunks, stamp, stamp_ts, rounds, started: at, chunks: Vec::new(), adds: Vec::new(), rows: 0, ended: at });
             }
             ReadEvent::ChunkRead { wave, chunk, rows, read_ms, read_bytes, fence, adds, ended } => {
+                rows_read += rows;
+                bar.inc(1);
+                bar.set_message(format!("· {rows_read} rows read"));
                 if let Some(acc) = waves.get_mut(&wave) {
                     acc.rows += rows;
                     acc.adds.extend(adds);
@@ -437,6 +444,7 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
             failure.get_or_insert(StepError::Internal(format!("a chunk reader panicked: {e}")));
         }
     }
+    bar.finish();
     let (stop_reason, paused) = {
         let c = coordinator.lock().await;
         (c.stop_reason.clone(), c.paused)
