@@ -434,6 +434,76 @@ fn check(s: &Setup, o: &Outcome, what: &str) {
     }
 }
 
+/// A full bootstrap whose call crashed between its bronze commit and its
+/// completion row; before the rerun the DBA adds a column and enables a
+/// second capture instance (its start is after the snapshot's S, and the
+/// older instance holds the changes in between). The rerun writes the
+/// completion on the instance the snapshot was read on, so the stream reads
+/// the older instance up to the newer one's start and switches there.
+/// Found by the torture soak (seed 110002687): the completion named the
+/// newest instance, whose min LSN the stream then read as a purge, exiting
+/// 3 for a loss that never happened (with `skip`, skipping those changes).
+#[test]
+fn a_full_snapshot_completed_after_a_newer_instance_appeared_streams_on_from_the_instance_it_was_read_on() {
+    const FULL: &str = "app_id = \"items\"\n[source]\nurl = \"sim://source.sqlite\"\n[table]\nname = \"items\"\n\
+         [target]\nbronze = \"bronze\"\nfacts = \"facts\"\nsilver = \"silver\"\n\
+         [snapshot]\nbootstrap = true\nmode = \"full\"\n[stream]\nmax_batch_rows = 1000\n";
+    let s = setup(FULL);
+    let table = s.table.clone();
+    let (code, json, stderr) = s.run_with(&["stream"], Some("snapshot.after_bronze=return"));
+    assert_ne!(code, 0, "the crash is armed: {json}");
+    assert!(stderr.contains("snapshot.after_bronze") || json.to_string().contains("snapshot.after_bronze"), "{json}\n{stderr}");
+    // Changes only the older instance captures, then the column and the newer instance, then changes both capture.
+    s.write(|tx| {
+        tx.update(&table, &vec![SqlValue::Int(2)], row(2, 21))?;
+        tx.delete(&table, &vec![SqlValue::Int(9)])?;
+        tx.insert(&table, row(61, 610))
+    });
+    s.db.add_column(&table, ColumnDesc::new("note", SqlType::NVarChar { len: Some(20) }, true)).unwrap();
+    s.write(|tx| tx.update(&table, &vec![SqlValue::Int(4)], row_with_note(4, 41, None)));
+    s.db.enable_cdc(&table, Some(NEW_INSTANCE), None).unwrap();
+    s.write(|tx| {
+        tx.update(&table, &vec![SqlValue::Int(3)], row_with_note(3, 31, Some("n3")))?;
+        tx.insert(&table, row_with_note(62, 620, Some("n62")))
+    });
+    let new_start = s.new_instance_start();
+
+    let (code, r) = s.run(&["stream"]);
+    assert_eq!(code, 0, "the rerun completes the snapshot and streams on, no loss: {r}");
+    s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
+    common::settle(&s.db);
+    s.ok(&["stream"]);
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let f = rt.block_on(facts(&s.location("facts")));
+    let boot: Vec<&Fact> = f.iter().filter(|r| r.event.as_deref() == Some("bootstrap")).collect();
+    assert_eq!(boot.len(), 1, "{f:?}");
+    let snapshot_s = boot[0].max_lsn.unwrap();
+    assert!(snapshot_s.increment() < new_start, "the premise: the newer instance starts after S: {snapshot_s} {new_start}");
+    let mut batches: Vec<&Fact> = f.iter().filter(|r| r.event.is_none()).collect();
+    batches.sort_by_key(|r| r.batch_id);
+    let mut expected_from = snapshot_s.increment();
+    for b in &batches {
+        assert_eq!(b.min_lsn, Some(expected_from), "batch {:?} does not start right after the one before: {batches:?}", b.batch_id);
+        expected_from = b.max_lsn.unwrap().increment();
+    }
+    assert_eq!(f.iter().filter(|r| r.event.as_deref() == Some("capture_instance_switched")).count(), 1, "{f:?}");
+    assert!(!f.iter().any(|r| matches!(r.event.as_deref(), Some("recovery") | Some("data_skipped"))), "{f:?}");
+
+    let (columns, expected) = s.source_rows();
+    let bronze = rt.block_on(bronze_latest(&s.location("bronze"), &columns));
+    assert_same("bronze's latest image", &columns, &expected, &bronze);
+    for _ in 0..10 {
+        if s.ok(&["apply"])["action"] == "nothing" {
+            break;
+        }
+    }
+    let silver = rt.block_on(silver_rows(&s.location("silver"), &columns));
+    assert_same("silver", &columns, &expected, &silver);
+    let (code, rec) = s.run(&["reconcile"]);
+    assert_eq!((code, rec["clean"].clone(), rec["differences"].clone()), (0, Value::Bool(true), Value::from(0)), "{rec}");
+}
+
 #[test]
 fn a_switch_opens_a_chunked_snapshot_at_the_new_instances_start_that_brings_every_column() {
     let s = setup(WORKFLOW);

@@ -748,6 +748,9 @@ async fn finish_interrupted_seed(ctx: &mut Context, facts_rows: &[FactRow]) -> S
 /// removed again).
 pub(crate) async fn complete_from_commit(ctx: &mut Context, generation: i32, lsn: Lsn, rows: i64, bronze_version: i64, meta: &Value) -> StepResult<Option<StepError>> {
     let commit_ts = meta.get("commit_ts").and_then(Value::as_str).and_then(|t| DateTime::parse_from_rfc3339(t).ok()).map(|t| t.with_timezone(&Utc));
+    // The row names the instance the seed was loaded for, not the newest
+    // (`switch::use_instance_of_commit`).
+    super::switch::use_instance_of_commit(ctx, meta.get("capture_instance").and_then(Value::as_str)).await?;
     complete_or_undo(ctx, generation, lsn, rows, commit_ts, bronze_version, None, seed_completion_detail(meta)).await
 }
 

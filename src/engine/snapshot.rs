@@ -171,6 +171,8 @@ pub struct CommittedFull {
     /// step took the generation first (`engine::seed`): nothing to complete,
     /// and the generation's key stays spent, as a dead re-snapshot's does.
     pub undone: bool,
+    /// The capture instance the snapshot was read on, as its commit names it.
+    pub capture_instance: Option<String>,
 }
 
 /// The full snapshot bronze holds for generation `generation` (txn
@@ -199,7 +201,8 @@ pub async fn committed_full(ctx: &Context, generation: i32) -> StepResult<Option
     let fence = meta.get("fence").and_then(|f| serde_json::from_value::<DateTime<Utc>>(f.clone()).ok());
     let seed_meta = (meta.get("kind").and_then(Value::as_str) == Some("seed")).then(|| meta.clone());
     let undone = seed_meta.is_some() && delta::files_of_commit_held(&ctx.bronze, version).await?.is_empty();
-    Ok(Some(CommittedFull { generation, bronze_version: version, s, rows, fence, seed_meta, undone }))
+    let capture_instance = meta.get("capture_instance").and_then(Value::as_str).map(str::to_string);
+    Ok(Some(CommittedFull { generation, bronze_version: version, s, rows, fence, seed_meta, undone, capture_instance }))
 }
 
 /// The newest generation bronze holds a full snapshot commit for
@@ -239,6 +242,8 @@ pub async fn complete_committed(ctx: &mut Context, c: &CommittedFull, kind: &str
         }
         return Ok(SnapshotResult { step: "snapshot", snapshot_lsn: c.s, rows: c.rows, already_done: true, ranges: 0, duration_ms: 0 });
     }
+    // The row names the instance the snapshot was read on, not the newest.
+    super::switch::use_instance_of_commit(ctx, c.capture_instance.as_deref()).await?;
     write_completion(ctx, c.generation, kind, c.s, c.rows, Some(c.bronze_version), None, gap, c.fence).await?;
     failpoint!("snapshot.after_repaired_completion");
     Ok(SnapshotResult { step: "snapshot", snapshot_lsn: c.s, rows: c.rows, already_done: true, ranges: 0, duration_ms: 0 })

@@ -187,6 +187,40 @@ pub async fn follow_stream(ctx: &mut Context) -> StepResult<Vec<CaptureInstance>
     Ok(instances)
 }
 
+/// Points `ctx.instance` at the capture instance a committed snapshot was
+/// read on, as its bronze commit names it (`recorded`), before the
+/// completion row is written from that commit by a later call (the call
+/// that read it crashed between its two commits).
+///
+/// Why: the completion row names the instance the stream starts on, at the
+/// snapshot's LSN. A newer instance enabled between the crash and the rerun
+/// starts after that LSN; started on it, the stream would read its min LSN
+/// as a purge of the changes in between, though the older instance holds
+/// them (a false "data loss" with `fail`, a needless re-snapshot with
+/// `resnapshot`, and with `skip` those changes skipped for good). On the
+/// instance it was read on, the stream reads on from the snapshot's LSN and
+/// switches at the newer one's start as it always does.
+///
+/// Nothing changes when the workflow pins an instance, when the commit
+/// names none, or when the source no longer lists it (the older instance
+/// dropped, its changes gone with it: the stream's own checks then see the
+/// loss for what it is).
+pub async fn use_instance_of_commit(ctx: &mut Context, recorded: Option<&str>) -> StepResult<()> {
+    if ctx.workflow.table.capture_instance.is_some() {
+        return Ok(());
+    }
+    let Some(name) = recorded else { return Ok(()) };
+    if name.eq_ignore_ascii_case(&ctx.instance.name) {
+        return Ok(());
+    }
+    let instances = ctx.source.capture_instances(&ctx.workflow.table_name()).await?;
+    if let Some(on) = instances.into_iter().find(|i| i.name.eq_ignore_ascii_case(name)) {
+        tracing::info!(read_on = %on.name, newest = %ctx.instance.name, "completing the snapshot on the capture instance it was read on");
+        ctx.instance = on;
+    }
+    Ok(())
+}
+
 /// The newer instance a chunk stamped `stamp` must wait for: the stream,
 /// on `on`, switches to it at or before `stamp` but has not yet. None when
 /// the stream's instance is the one it reads at `stamp`.
