@@ -23,9 +23,12 @@ export MSSQL_CDC_BIN=$BIN MSSQL_CDC_LOG=${MSSQL_CDC_LOG:-warn}
 export CHROMIUM=${CHROMIUM:-/usr/bin/chromium}
 t0=$SECONDS
 if [[ ! -x $CHROMIUM ]]; then
-  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+  # As root, or through sudo when it asks no password.
+  SUDO=
+  if [[ $(id -u) != 0 ]] && sudo -n true 2>/dev/null; then SUDO=sudo; fi
+  if { [[ $(id -u) == 0 ]] || [[ -n $SUDO ]]; } && command -v apt-get >/dev/null; then
     echo "report_test: installing Debian's chromium" >&2
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/tmp/report_test_apt.log 2>&1 ||
+    { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/tmp/report_test_apt.log 2>&1 ||
       { tail -20 /tmp/report_test_apt.log >&2; echo "report_test: apt-get install chromium failed" >&2; exit 2; }
   else
     echo "report_test: no browser at $CHROMIUM; install Debian's chromium (apt-get install chromium) or set CHROMIUM" >&2
