@@ -106,9 +106,18 @@ fn forced(what: &str, seeds: std::ops::Range<u64>, overrides: &Overrides, enough
 ///   (that call was cut between its two commits) and answered "already
 ///   seeded"; the copy's rows stayed in bronze with no generation counting
 ///   them. `tests/seed_crash.rs` makes the race certain with a gate.
+/// - 110002687: a full bootstrap committed to bronze by a call cut before its
+///   completion row, a second capture instance enabled before the rerun: the
+///   completion named the newest instance, and the stream read its min LSN
+///   as a purge (exit 3). `tests/snapshot_on_switch.rs` has it alone.
+/// - 120010174 (a heap, seeded, then reseeded from a copy older than what
+///   silver had applied): apply rebuilt silver from the copy at once, up to
+///   the new generation's position, under a control row that kept the older
+///   applied LSN, and the changes in between were never applied. The rebuild
+///   now waits for the stream (`engine::apply::decide`).
 #[test]
 fn schedules_the_soak_found_pass() {
-    for seed in [10_000_933u64, 20_000_981, 10_001_125, 20_000_761, 20_001_282, 10_001_298, 30_001_859] {
+    for seed in [10_000_933u64, 20_000_981, 10_001_125, 20_000_761, 20_001_282, 10_001_298, 30_001_859, 110_002_687, 120_010_174] {
         let dir = tempfile::tempdir().unwrap();
         torture::run_one_with(seed, 12, Some(env!("CARGO_BIN_EXE_mssql-cdc").into()), dir.path(), &Overrides::default())
             .unwrap_or_else(|e| panic!("schedule {seed} failed: {e}"));

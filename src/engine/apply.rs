@@ -889,6 +889,27 @@ mod tests {
         assert_eq!(d.next.seq, 4);
     }
 
+    /// A reseed whose copy is older than what silver applied: no rebuild
+    /// until the new generation's stream has read past silver's applied LSN,
+    /// then a rebuild up to that position, so no change in between is lost
+    /// (torture seed 120010174: the rebuild ran at once, silver held the copy
+    /// alone, the control row kept the older applied LSN, and the changes in
+    /// between were never applied).
+    #[test]
+    fn a_reseed_older_than_silver_waits_for_the_stream_then_rebuilds() {
+        let mut facts = vec![event(0, EVENT_BOOTSTRAP, 20, None), batch(0, 0, 51), batch(0, 1, 55)];
+        let last = control(1, 55, Some(20), None, None, Some(55));
+        facts.push(event(1, EVENT_RESNAPSHOT, 43, None));
+        let d = decide("a", Some(&last), &facts);
+        assert_eq!(d.action, Action::Nothing, "the new generation stands at 43, silver applied 55: {d:?}");
+        facts.push(batch(1, 0, 50));
+        assert_eq!(decide("a", Some(&last), &facts).action, Action::Nothing, "still below 55");
+        facts.push(batch(1, 1, 56));
+        let d = decide("a", Some(&last), &facts);
+        assert_eq!(d.action, Action::Rebuild { snapshot: lsn(43) });
+        assert_eq!((d.to, d.next.applied_lsn, d.next.snapshot_lsn), (Some(lsn(56)), Some(lsn(56)), Some(lsn(43))));
+    }
+
     #[test]
     fn waves_are_applied_as_they_arrive_and_the_verdict_is_held() {
         let mut facts = vec![chunked_open(0, 10, "bootstrap"), batch(0, 0, 20), chunk(10, 0, 0), chunk(10, 1, 0)];
@@ -985,22 +1006,22 @@ mod tests {
     #[test]
     fn finalized_until_never_goes_back_when_a_new_generation_starts_below_it() {
         // 18.31. A reseed's generation 1 starts at L = 60, below what silver applied (100): catches the verdict
-        // set to the new generation's position (`to`) instead of `to.max(applied)` (60, then 80).
+        // set to the new generation's position (`to`) instead of `to.max(applied)` (60, then 80). The rebuild
+        // itself waits until the new generation has read past 100 (it would otherwise hold the changes up to
+        // 60 only, under a control row that says 100), so no control row is written before.
         let mut facts = vec![event(0, EVENT_BOOTSTRAP, 10, None), batch(0, 0, 40), batch(0, 1, 70), batch(0, 2, 100), event(1, EVENT_RESNAPSHOT, 60, None)];
         let last = control(5, 100, Some(10), None, None, Some(100));
         let d1 = decide("a", Some(&last), &facts);
-        assert_eq!(d1.action, Action::Rebuild { snapshot: lsn(60) });
-        assert_eq!((d1.next.applied_lsn, d1.next.finalized_until), (Some(lsn(100)), Some(lsn(100))));
-        // Generation 1 streams to 80, still below: nothing moves back.
+        assert_eq!(d1.action, Action::Nothing);
+        // Generation 1 streams to 80, still below: nothing moves back, nothing is rebuilt.
         facts.push(batch(1, 0, 80));
-        let d2 = decide("a", Some(&d1.next), &facts);
-        assert_eq!(d2.next.finalized_until, Some(lsn(100)));
+        let d2 = decide("a", Some(&last), &facts);
         assert_eq!(d2.action, Action::Nothing);
-        // Past it, the verdict moves on.
+        // Past it, the rebuild, and the verdict moves on with it.
         facts.push(batch(1, 1, 120));
-        let d3 = decide("a", Some(&d2.next), &facts);
-        assert_eq!(d3.action, Action::Changes { after: Some(lsn(100)) });
-        assert_eq!(d3.next.finalized_until, Some(lsn(120)));
+        let d3 = decide("a", Some(&last), &facts);
+        assert_eq!(d3.action, Action::Rebuild { snapshot: lsn(60) });
+        assert_eq!((d3.next.applied_lsn, d3.next.finalized_until), (Some(lsn(120)), Some(lsn(120))));
     }
 
     #[test]

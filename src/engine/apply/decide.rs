@@ -125,6 +125,21 @@ pub fn decide_with_cleanup(app: &str, last: Option<&ControlRow>, facts: &[FactRo
     };
     let built_from = last.and_then(|c| c.snapshot_lsn);
     if let Some(c) = completed.filter(|c| built_from.is_none_or(|b| b < *c)) {
+        // A rebuild never takes silver back in time. A reseed whose copy is
+        // older than what silver has applied starts a generation whose
+        // position is below silver's applied LSN: rebuilt now, silver would
+        // hold the copy and the changes up to that position while its
+        // control row still said the old applied LSN (it never moves back),
+        // and the next apply, counting only the changes after it, would
+        // never apply those in between. So the rebuild waits until the new
+        // generation's stream has read up to silver's applied LSN; silver
+        // keeps its image meanwhile.
+        if let (Some(t), Some(a)) = (to, applied) {
+            if t < a {
+                next.action = "position".into();
+                return Decision { action: Action::Nothing, to, next };
+            }
+        }
         next.snapshot_lsn = Some(c);
         next.action = "rebuild".into();
         return Decision { action: Action::Rebuild { snapshot: c }, to, next };
