@@ -34,6 +34,45 @@ async fn crash_after_the_bronze_commit_then_rerun() {
     assert_eq!(s.verify().await.differences(), 0);
 }
 
+/// The same crash, then a second capture instance enabled before the rerun
+/// (it starts after the seed's LSN; the first instance holds the changes in
+/// between). The rerun completes the seed on the instance it was loaded for,
+/// so the stream reads the first instance up to the second's start and
+/// switches: no loss is reported and bronze rebuilds the table exactly.
+/// Completed on the newest instance instead, the stream read its min LSN as
+/// a purge of those changes (the bug the torture soak found on a full
+/// snapshot, seed 110002687; the seed's completion shares the code path).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_the_bronze_commit_then_a_newer_instance_then_rerun() {
+    let _failpoints = fail::FailScenario::setup();
+    let mut s = Scenario::new(20, "[snapshot]\nbootstrap = true\n");
+    let recorded = s.db.max_lsn().unwrap().unwrap();
+    s.changes(3);
+    let copy = s.path().join("copy");
+    let source = s.db.source().unwrap();
+    let ci = mssql_cdc::source::CdcSource::capture_instances(&source, &s.table).await.unwrap().pop().unwrap();
+    mssql_cdc::seed_copy::export_parquet(&source, &s.table, &ci.columns, &copy, 1000).await.unwrap();
+    s.changes(3);
+    common::settle(&s.db);
+    let args = SeedArgs { copy: copy.to_string_lossy().into_owned(), as_of: AsOf::Lsn(recorded), reseed: false, allow_missing_columns: false };
+    fail::cfg("seed.after_bronze", "1*return").unwrap();
+    let e = seed::run(&mut s.context().await.unwrap(), &args).await.unwrap_err();
+    assert!(e.to_string().contains("seed.after_bronze"), "{e}");
+    fail::remove("seed.after_bronze");
+    s.changes(4);
+    common::settle(&s.db);
+    let newer = s.db.enable_cdc(&s.table, Some("dbo_items_v2"), None).unwrap();
+    s.changes(4);
+    common::settle(&s.db);
+    assert!(newer.start_lsn.is_some_and(|start| recorded.increment() < start), "the premise: the newer instance starts after the seed's LSN");
+    let r = seed::run(&mut s.context().await.unwrap(), &args).await.unwrap();
+    assert!(r.already_seeded && r.lsn == recorded, "{r:?}");
+    s.stream_until_caught_up().await;
+    assert_eq!(s.count("facts", "event = 'capture_instance_switched'").await, 1);
+    assert_eq!(s.count("facts", "event IN ('recovery', 'data_skipped')").await, 0);
+    assert_eq!(s.verify().await.differences(), 0);
+}
+
 // ---------------------------------------------------------------------------
 // A seed beside another step: each race made certain with a gate
 // (`common::gate`) that holds the seed between its read of the copy and its
