@@ -6,6 +6,9 @@
 //! - a folder holding only a log folder without a commit (a creation under
 //!   way or cut short) is no table yet, not foreign files, while a folder
 //!   with a data file and no commit is still refused (exit 2);
+//! - a table created and written by another call between a call's look for
+//!   a commit and its listing of the folder is opened, not refused as
+//!   foreign files (found by the torture soak, seed 140010510);
 //! - two full bootstraps at once, the loser's open at a higher S: the
 //!   winner's completion of the generation supersedes it, so it does not
 //!   block `seed --reseed`;
@@ -199,6 +202,68 @@ fn a_log_folder_without_a_commit_is_no_table_yet_but_a_data_file_is_foreign() {
     assert!(msg.contains("not a Delta table") && msg.contains("part-00000-0.snappy.parquet"), "{msg}");
     assert!(!s.path().join("facts").join("_delta_log").exists(), "nothing written");
     assert!(!foreign.join("_delta_log").join("00000000000000000000.json").exists(), "nothing written");
+}
+
+thread_local! {
+    /// Arms the listing failpoint on this test's thread only: other tests
+    /// of this binary open tables in process on their own threads.
+    static LISTING_RACE_ARMED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &to.join(entry.file_name()));
+        } else {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+}
+
+/// The window between `delta::open_existing`'s look for a commit (none yet)
+/// and its listing of the folder: another call creates the table there and
+/// commits rows, so the listing meets that table's data file. It is the
+/// other call's table, and the look must end by opening it. It used to end
+/// in exit 2, "not a Delta table but holds other files": a race reported as
+/// bad input (the torture soak's seed 140010510, a first `backfill`'s plans
+/// table). The window is made certain with a callback at the failpoint
+/// between the two, which copies a finished table (its create and one
+/// append) into the folder, as the other call's commits would land. The
+/// callback acts only on this test's thread, so arming it in the shared
+/// suite binary leaves the other tests' opens alone.
+#[test]
+fn a_table_created_and_written_between_the_look_and_the_listing_is_opened_not_refused() {
+    use mssql_cdc::delta::{self, facts, TableKind, Txn};
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let template = dir.path().join("written_elsewhere");
+    let location = dir.path().join("facts");
+    let storage = std::collections::HashMap::new();
+    let row = FactRow { app_id: "t".into(), table: "dbo.t".into(), target: "bronze".into(), event: Some("x".into()), ..Default::default() };
+    rt.block_on(async {
+        let mut t = delta::open_or_create(template.to_str().unwrap(), &storage, TableKind::Facts, &facts::schema(), "test facts").await.unwrap();
+        delta::append_batches(&mut t, vec![facts::to_batch(&[row])], facts::schema(), &Txn::new("t#facts", 0), serde_json::json!({})).await.unwrap();
+    });
+    assert!(std::fs::read_dir(&template).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().ends_with(".parquet")));
+    std::fs::create_dir_all(&location).unwrap();
+    let (from, to) = (template.clone(), location.clone());
+    fail::cfg_callback("delta.open_existing.before_listing", move || {
+        if LISTING_RACE_ARMED.with(|armed| armed.replace(false)) {
+            copy_tree(&from, &to);
+        }
+    })
+    .unwrap();
+    LISTING_RACE_ARMED.with(|armed| armed.set(true));
+    let opened = rt.block_on(delta::open_existing(location.to_str().unwrap(), &storage));
+    let fired = !LISTING_RACE_ARMED.with(|armed| armed.replace(false));
+    fail::remove("delta.open_existing.before_listing");
+    assert!(fired, "the failpoint between the look and the listing did not run");
+    let table = opened.expect("a table written by another call between the look and the listing is opened").expect("the table is found");
+    assert_eq!(table.version(), Some(1), "the other call's create and append");
+    let rows = rt.block_on(delta::query(&table, "SELECT app_id FROM t")).unwrap();
+    assert_eq!(rows.iter().map(|b| b.num_rows()).sum::<usize>(), 1);
 }
 
 fn copy_of(rt: &tokio::runtime::Runtime, s: &Scenario, dir: &Path) -> i64 {

@@ -115,9 +115,13 @@ fn forced(what: &str, seeds: std::ops::Range<u64>, overrides: &Overrides, enough
 ///   the new generation's position, under a control row that kept the older
 ///   applied LSN, and the changes in between were never applied. The rebuild
 ///   now waits for the stream (`engine::apply::decide`).
+/// - 140010510 (two calls at once on fresh targets): one call found no commit
+///   in the plans table, then listed the folder after the other had created
+///   it and written its plan, and took the plan's data file for a foreign
+///   file (exit 2). `tests/concurrent_first.rs` makes the window certain.
 #[test]
 fn schedules_the_soak_found_pass() {
-    for seed in [10_000_933u64, 20_000_981, 10_001_125, 20_000_761, 20_001_282, 10_001_298, 30_001_859, 110_002_687, 120_010_174] {
+    for seed in [10_000_933u64, 20_000_981, 10_001_125, 20_000_761, 20_001_282, 10_001_298, 30_001_859, 110_002_687, 120_010_174, 140_010_510] {
         let dir = tempfile::tempdir().unwrap();
         torture::run_one_with(seed, 12, Some(env!("CARGO_BIN_EXE_mssql-cdc").into()), dir.path(), &Overrides::default())
             .unwrap_or_else(|e| panic!("schedule {seed} failed: {e}"));
