@@ -7,9 +7,11 @@ mod common;
 use common::Scenario;
 use mssql_cdc::engine::seed::{self, AsOf, SeedArgs};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn crash_after_the_bronze_commit_then_rerun() {
-    let _failpoints = fail::FailScenario::setup();
+/// A table of 20 rows, a copy of it taken at a recorded max LSN with changes
+/// before and after, and a seed from that copy cut by the failpoint after its
+/// bronze commit: the scenario, the seed's arguments, the LSN and the copy's
+/// row count.
+async fn seed_cut_after_its_bronze_commit() -> (Scenario, SeedArgs, mssql_cdc::lsn::Lsn, i64) {
     let mut s = Scenario::new(20, "[snapshot]\nbootstrap = true\n");
     let recorded = s.db.max_lsn().unwrap().unwrap();
     s.changes(3);
@@ -24,6 +26,13 @@ async fn crash_after_the_bronze_commit_then_rerun() {
     let e = seed::run(&mut s.context().await.unwrap(), &args).await.unwrap_err();
     assert!(e.to_string().contains("seed.after_bronze"), "{e}");
     fail::remove("seed.after_bronze");
+    (s, args, recorded, rows)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_the_bronze_commit_then_rerun() {
+    let _failpoints = fail::FailScenario::setup();
+    let (s, args, recorded, rows) = seed_cut_after_its_bronze_commit().await;
     assert_eq!(s.count("bronze", "_operation = 0").await, rows);
     assert_eq!(s.count("facts", "event = 'bootstrap'").await, 0);
     let r = seed::run(&mut s.context().await.unwrap(), &args).await.unwrap();
@@ -45,20 +54,7 @@ async fn crash_after_the_bronze_commit_then_rerun() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_after_the_bronze_commit_then_a_newer_instance_then_rerun() {
     let _failpoints = fail::FailScenario::setup();
-    let mut s = Scenario::new(20, "[snapshot]\nbootstrap = true\n");
-    let recorded = s.db.max_lsn().unwrap().unwrap();
-    s.changes(3);
-    let copy = s.path().join("copy");
-    let source = s.db.source().unwrap();
-    let ci = mssql_cdc::source::CdcSource::capture_instances(&source, &s.table).await.unwrap().pop().unwrap();
-    mssql_cdc::seed_copy::export_parquet(&source, &s.table, &ci.columns, &copy, 1000).await.unwrap();
-    s.changes(3);
-    common::settle(&s.db);
-    let args = SeedArgs { copy: copy.to_string_lossy().into_owned(), as_of: AsOf::Lsn(recorded), reseed: false, allow_missing_columns: false };
-    fail::cfg("seed.after_bronze", "1*return").unwrap();
-    let e = seed::run(&mut s.context().await.unwrap(), &args).await.unwrap_err();
-    assert!(e.to_string().contains("seed.after_bronze"), "{e}");
-    fail::remove("seed.after_bronze");
+    let (mut s, args, recorded, _) = seed_cut_after_its_bronze_commit().await;
     s.changes(4);
     common::settle(&s.db);
     let newer = s.db.enable_cdc(&s.table, Some("dbo_items_v2"), None).unwrap();
