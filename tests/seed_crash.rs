@@ -224,6 +224,36 @@ fn a_seed_cut_after_its_bronze_commit_then_a_chunked_open_the_rerun_removes_its_
     assert_eq!(rt.block_on(s.verify()).differences(), 0);
 }
 
+/// The same cut, but the chunked snapshot opens *and completes* before the
+/// seed is called again (the soak's schedule 150012436). The generation's
+/// completion key is then applied, so the seed's own completion can never
+/// be written: every later call answered "another call of this seed is
+/// between its commits" (exit 75) for good, and the copy's rows stayed in
+/// bronze beside the chunked snapshot. The rerun must remove them and refuse
+/// as a seed after another snapshot is refused.
+#[test]
+fn a_seed_cut_after_its_bronze_commit_then_a_chunked_snapshot_completed_the_rerun_removes_its_rows() {
+    let (_fp, rt) = failpoints_and_runtime();
+    let (s, args, rows) = scenario_with_copy(&rt, CHUNKED);
+    fail::cfg("seed.after_bronze", "1*return").unwrap();
+    let e = rt.block_on(seed_at(s.wf_path.clone(), args.clone())).unwrap_err();
+    assert!(e.to_string().contains("seed.after_bronze"), "{e}");
+    fail::remove("seed.after_bronze");
+    assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), rows);
+    common::cli_backfill_until_done(&s);
+    let done = facts_events(&rt, &s, "bootstrap");
+    assert_eq!(done.len(), 1, "the chunked snapshot completed generation 0");
+    assert_ne!(done[0].detail.as_ref().and_then(|d| d.get("mode")).and_then(|m| m.as_str()), Some("seed"), "{:?}", done[0].detail);
+    for call in 0..2 {
+        let e = rt.block_on(seed_at(s.wf_path.clone(), args.clone())).unwrap_err();
+        assert_eq!(e.exit_code(), 2, "call {call}: {e}");
+        assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), 0, "call {call}: the seed's rows are removed");
+    }
+    assert_eq!(facts_events(&rt, &s, "bootstrap").len(), 1, "the chunked snapshot's completion only");
+    rt.block_on(s.stream_until_caught_up());
+    assert_eq!(rt.block_on(s.verify()).differences(), 0);
+}
+
 /// Two calls of the same seed: the second passes its start (nothing of the
 /// seed in bronze yet) and is held after reading the copy; the first commits
 /// its rows and dies before its completion row. The second then finds its

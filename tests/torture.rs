@@ -121,7 +121,7 @@ fn forced(what: &str, seeds: std::ops::Range<u64>, overrides: &Overrides, enough
 ///   file (exit 2). `tests/concurrent_first.rs` makes the window certain.
 #[test]
 fn schedules_the_soak_found_pass() {
-    for seed in [10_000_933u64, 20_000_981, 10_001_125, 20_000_761, 20_001_282, 10_001_298, 30_001_859, 110_002_687, 120_010_174, 140_010_510] {
+    for seed in [10_000_933u64, 20_000_981, 10_001_125, 20_000_761, 20_001_282, 10_001_298, 30_001_859, 110_002_687, 120_010_174, 140_010_510, 150_001_629, 150_012_436] {
         let dir = tempfile::tempdir().unwrap();
         torture::run_one_with(seed, 12, Some(env!("CARGO_BIN_EXE_mssql-cdc").into()), dir.path(), &Overrides::default())
             .unwrap_or_else(|e| panic!("schedule {seed} failed: {e}"));

@@ -207,7 +207,7 @@ pub fn decide(input: &SeedInput) -> SeedDecision {
             if let Some(s) = seed_at(l) {
                 return SeedDecision::AlreadySeeded(s);
             }
-            l
+            Some(l)
         }
         (None, AsOf::Time(t)) => {
             // The time no longer maps (cleanup removed its mapping rows, or it
@@ -223,13 +223,30 @@ pub fn decide(input: &SeedInput) -> SeedDecision {
                     return SeedDecision::AlreadySeeded(s.clone());
                 }
             }
-            return SeedDecision::NoCommitAtOrBefore;
+            None
         }
-        (None, AsOf::Lsn(l)) => *l,
+        (None, AsOf::Lsn(l)) => Some(*l),
     };
+    // The refusals that hold whatever the copy is come before the copy's
+    // own checks: they depend on the target alone, so the answer to a
+    // repeated call does not turn from "the target is started otherwise"
+    // (exit 2) into "data loss" (exit 3) when cleanup passes the copy's time
+    // in between (the soak's schedule 150001629). Data loss would also be
+    // the wrong word there: the target has lost nothing, and a new copy
+    // would be refused all the same without --reseed.
     if let Some(open) = &input.open_snapshot {
         return SeedDecision::SnapshotOpen(open.clone());
     }
+    let newest = input.snapshots.iter().max_by_key(|s| s.lsn).cloned();
+    if !input.reseed {
+        if let Some(s) = newest {
+            return SeedDecision::SnapshotPresent(s);
+        }
+        if let Some(p) = input.position_without_snapshot {
+            return SeedDecision::StartedWithoutSnapshot(p);
+        }
+    }
+    let Some(lsn) = lsn else { return SeedDecision::NoCommitAtOrBefore };
     let Some(max) = input.max_lsn else { return SeedDecision::NothingCaptured };
     if lsn > max {
         return SeedDecision::AboveMax { lsn, max_lsn: max };
@@ -241,19 +258,14 @@ pub fn decide(input: &SeedInput) -> SeedDecision {
             return SeedDecision::Purged { lsn, next, min_lsn: min };
         }
     }
-    let newest = input.snapshots.iter().max_by_key(|s| s.lsn).cloned();
     // A reseed's generation: the next one, past any whose snapshot key a dead
     // re-snapshot spent (Delta would skip the append as already applied).
     let next_generation = (input.generation + 1).max(input.snapshot_txn_generation.map_or(0, |g| g + 1));
-    match (newest, input.reseed) {
-        (Some(s), false) => SeedDecision::SnapshotPresent(s),
-        (Some(s), true) if lsn <= s.lsn => SeedDecision::NotNewer { lsn, newest: s },
-        (Some(_), true) => SeedDecision::Write { lsn, generation: next_generation },
-        (None, _) => match (input.position_without_snapshot, input.reseed) {
-            (Some(p), false) => SeedDecision::StartedWithoutSnapshot(p),
-            (Some(_), true) => SeedDecision::Write { lsn, generation: next_generation },
-            (None, _) => SeedDecision::Write { lsn, generation: input.generation },
-        },
+    match newest {
+        Some(s) if lsn <= s.lsn => SeedDecision::NotNewer { lsn, newest: s },
+        Some(_) => SeedDecision::Write { lsn, generation: next_generation },
+        None if input.position_without_snapshot.is_some() => SeedDecision::Write { lsn, generation: next_generation },
+        None => SeedDecision::Write { lsn, generation: input.generation },
     }
 }
 
@@ -536,19 +548,27 @@ async fn complete_or_undo(
     let Claimed::Taken { claim, .. } = write_completion(ctx, generation, lsn, rows, commit_ts, Some(bronze_version), duration_ms, detail).await? else {
         return Ok(None);
     };
+    Ok(Some(undo(ctx, generation, lsn, bronze_version, &claim.app_id).await?))
+}
+
+/// Removes the rows of the seed whose bronze commit is `bronze_version`,
+/// which lost `generation` to another step (`taken_by` names the key or the
+/// completion that holds it), and returns the refusal to give.
+async fn undo(ctx: &mut Context, generation: i32, lsn: Lsn, bronze_version: i64, taken_by: &str) -> StepResult<StepError> {
     failpoint!("seed.before_undo");
-    tracing::warn!(generation, claim = %claim.app_id, lsn = %lsn, "another step started this generation while the seed was written: removing the seed's rows from bronze");
+    tracing::warn!(generation, taken_by, lsn = %lsn, "another step started this generation while the seed was written: removing the seed's rows from bronze");
     let removed = delta::remove_files_of_commit(
         &mut ctx.bronze,
         bronze_version,
-        json!({"kind": "seed_undone", "generation": generation, "lsn": lsn, "bronze_version": bronze_version, "taken_by": claim.app_id}),
+        json!({"kind": "seed_undone", "generation": generation, "lsn": lsn, "bronze_version": bronze_version, "taken_by": taken_by}),
     )
     .await?;
     tracing::info!(files = removed, bronze_version, "the seed's rows are removed from bronze");
-    Ok(Some(StepError::Config(format!(
-        "generation {generation} was started by another step ({}) while this seed was written, so the seed at {lsn} was not          recorded and its rows were removed from bronze again. Run `status` to see how the stream started; to replace it          with this copy, run seed --reseed with a copy taken after that start",
-        claim.app_id
-    ))))
+    Ok(StepError::Config(format!(
+        "generation {generation} was started by another step ({taken_by}) while this seed was written, so the seed at {lsn} was not \
+         recorded and its rows were removed from bronze again. Run `status` to see how the stream started; to replace it \
+         with this copy, run seed --reseed with a copy taken after that start"
+    )))
 }
 
 /// The txn keys a seed's completion of `generation` claims besides its own
@@ -707,13 +727,19 @@ fn is_completion(r: &FactRow) -> bool {
 }
 
 /// A seed that crashed between its bronze commit and its facts row: bronze
-/// holds `<app>#snapshot` at a generation the facts have no completion for,
-/// and that commit is a seed's. Writes the row from the commit's metadata.
+/// holds `<app>#snapshot` at a generation the facts have no seed completion
+/// for, and that commit is a seed's. Writes the row from the commit's
+/// metadata; when another step completed the generation meanwhile (a chunked
+/// snapshot opened and finished while the seed was cut), removes the seed's
+/// rows instead. True when it wrote anything.
 async fn finish_interrupted_seed(ctx: &mut Context, facts_rows: &[FactRow]) -> StepResult<bool> {
     let snap_app = format!("{}#snapshot", ctx.workflow.app_id);
     let Some(version) = delta::txn_version(&ctx.bronze, &snap_app).await? else { return Ok(false) };
     let generation = version as i32;
-    if facts_rows.iter().any(|r| r.generation == generation && is_completion(r)) {
+    let completion = facts_rows.iter().find(|r| r.generation == generation && is_completion(r));
+    // A seed's completion of the generation is this commit's: only one
+    // commit holds `<app>#snapshot` at a version.
+    if completion.is_some_and(is_seed_completion) {
         return Ok(false);
     }
     // Other snapshots' interrupted completions are their own step's to finish.
@@ -729,6 +755,17 @@ async fn finish_interrupted_seed(ctx: &mut Context, facts_rows: &[FactRow]) -> S
     if delta::files_of_commit_held(&ctx.bronze, bronze_version).await?.is_empty() {
         return Ok(false);
     }
+    if let Some(other) = completion {
+        // Its completion cannot be written any more (the generation's
+        // completion key is applied), and left alone the rows would stay in
+        // bronze beside the snapshot that holds the generation, while every
+        // call of this seed found itself pending (the soak's schedule
+        // 150012436, answered "call again" for good).
+        let taken_by = format!("{} at {}", other.event.as_deref().unwrap_or("completion"), other.max_lsn.map(|l| l.to_string()).unwrap_or_default());
+        let e = undo(ctx, generation, lsn, bronze_version, &taken_by).await?;
+        tracing::warn!(error = %e, "the interrupted seed lost its generation");
+        return Ok(true);
+    }
     let rows = meta.get("rows").and_then(Value::as_i64).unwrap_or(0);
     tracing::warn!(lsn = %lsn, generation, "bronze holds a seed without its facts row (a crash between the two commits): writing it now");
     match complete_from_commit(ctx, generation, lsn, rows, bronze_version, &meta).await? {
@@ -739,6 +776,11 @@ async fn finish_interrupted_seed(ctx: &mut Context, facts_rows: &[FactRow]) -> S
             Ok(true)
         }
     }
+}
+
+/// A seed's completion row: `bootstrap` or `resnapshot` with `"mode": "seed"`.
+fn is_seed_completion(r: &FactRow) -> bool {
+    is_completion(r) && r.detail.as_ref().and_then(|d| d.get("mode")).and_then(Value::as_str) == Some("seed")
 }
 
 /// Completes a seed from its bronze commit (version `bronze_version`,
@@ -891,21 +933,52 @@ mod tests {
         assert_eq!(decide(&i), SeedDecision::SnapshotPresent(snap(40, t(4, 59))));
         i.reseed = true;
         assert_eq!(decide(&i), SeedDecision::NotNewer { lsn: l(40), newest: snap(40, t(4, 59)) });
-        // Nor, once the time maps nowhere, is the newest snapshot before it.
+        // Nor, once the time maps nowhere, is the newest snapshot before it:
+        // it is the other snapshot the target holds.
         let mut i = input(AsOf::Time(t(5, 0)), None);
         i.snapshots = vec![snap(40, t(4, 59))];
-        assert_eq!(decide(&i), SeedDecision::NoCommitAtOrBefore);
+        assert_eq!(decide(&i), SeedDecision::SnapshotPresent(snap(40, t(4, 59))));
     }
 
     #[test]
     fn a_time_that_maps_nowhere_is_data_loss_without_a_seed_before_it() {
         let mut i = input(AsOf::Time(t(5, 0)), None);
         assert_eq!(decide(&i), SeedDecision::NoCommitAtOrBefore);
-        i.snapshots = vec![snap(80, t(6, 0))];
-        assert_eq!(decide(&i), SeedDecision::NoCommitAtOrBefore, "a later snapshot is not this seed");
         i.snapshots = vec![snap(40, t(4, 0))];
         i.reseed = true;
         assert_eq!(decide(&i), SeedDecision::NoCommitAtOrBefore, "a reseed never resolves to an existing snapshot");
+        i.snapshots = vec![];
+        i.position_without_snapshot = Some(l(60));
+        assert_eq!(decide(&i), SeedDecision::NoCommitAtOrBefore, "nor to a stream started without one");
+    }
+
+    /// Found by the torture soak (schedule 150001629): a seed lost its
+    /// generation to a stream's bootstrap, and a cleanup then removed the
+    /// mapping rows of its copy's time. Its repeated call answered "data
+    /// loss" (exit 3) where the call before it had said "the target holds
+    /// another snapshot" (exit 2). Whatever the target alone refuses is
+    /// refused the same with the time mapped or not, purged or not.
+    #[test]
+    fn a_refusal_of_the_target_does_not_change_when_cleanup_passes_the_copy() {
+        let mapped = |i: &mut SeedInput| i.lsn = Some(l(40));
+        let unmapped = |i: &mut SeedInput| i.lsn = None;
+        let purged = |i: &mut SeedInput| {
+            i.lsn = Some(l(8));
+            i.min_lsn = Some(l(10));
+        };
+        let cases: [(&str, fn(&mut SeedInput), SeedDecision); 3] = [
+            ("another snapshot", |i| i.snapshots = vec![snap(30, t(4, 0))], SeedDecision::SnapshotPresent(snap(30, t(4, 0)))),
+            ("a stream start", |i| i.position_without_snapshot = Some(l(60)), SeedDecision::StartedWithoutSnapshot(l(60))),
+            ("an open snapshot", |i| i.open_snapshot = Some(opened(45, Mode::Chunked)), SeedDecision::SnapshotOpen(opened(45, Mode::Chunked))),
+        ];
+        for (what, target, expected) in cases {
+            for (copy, place) in [("mapped", &mapped as &dyn Fn(&mut SeedInput)), ("unmapped", &unmapped), ("purged", &purged)] {
+                let mut i = input(AsOf::Time(t(5, 0)), None);
+                target(&mut i);
+                place(&mut i);
+                assert_eq!(decide(&i), expected, "{what}, copy's time {copy}");
+            }
+        }
     }
 
     #[test]
