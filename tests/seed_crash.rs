@@ -197,15 +197,22 @@ fn a_full_bootstrap_between_the_seeds_commits_completes_it_as_the_seed() {
     assert_eq!(rt.block_on(s.verify()).differences(), 0);
 }
 
-#[test]
-fn a_seed_cut_after_its_bronze_commit_then_a_chunked_open_the_rerun_removes_its_rows() {
-    let (_fp, rt) = failpoints_and_runtime();
+/// A chunked workflow whose seed was cut by the failpoint after its bronze
+/// commit: the copy's rows are in bronze, generation 0 has no completion.
+fn chunked_seed_cut_after_its_bronze_commit(rt: &tokio::runtime::Runtime) -> (Scenario, SeedArgs, i64) {
     let (s, args, rows) = scenario_with_copy(&rt, CHUNKED);
     fail::cfg("seed.after_bronze", "1*return").unwrap();
     let e = rt.block_on(seed_at(s.wf_path.clone(), args.clone())).unwrap_err();
     assert!(e.to_string().contains("seed.after_bronze"), "{e}");
     fail::remove("seed.after_bronze");
     assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), rows);
+    (s, args, rows)
+}
+
+#[test]
+fn a_seed_cut_after_its_bronze_commit_then_a_chunked_open_the_rerun_removes_its_rows() {
+    let (_fp, rt) = failpoints_and_runtime();
+    let (s, args, rows) = chunked_seed_cut_after_its_bronze_commit(&rt);
     // The stream's chunked bootstrap opens: no completion holds generation 0 yet.
     rt.block_on(open_chunked_at(s.wf_path.clone())).unwrap().expect("an open");
     // The rerun cannot complete the seed: cut once more before its undo, then again.
@@ -234,12 +241,7 @@ fn a_seed_cut_after_its_bronze_commit_then_a_chunked_open_the_rerun_removes_its_
 #[test]
 fn a_seed_cut_after_its_bronze_commit_then_a_chunked_snapshot_completed_the_rerun_removes_its_rows() {
     let (_fp, rt) = failpoints_and_runtime();
-    let (s, args, rows) = scenario_with_copy(&rt, CHUNKED);
-    fail::cfg("seed.after_bronze", "1*return").unwrap();
-    let e = rt.block_on(seed_at(s.wf_path.clone(), args.clone())).unwrap_err();
-    assert!(e.to_string().contains("seed.after_bronze"), "{e}");
-    fail::remove("seed.after_bronze");
-    assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), rows);
+    let (s, args, rows) = chunked_seed_cut_after_its_bronze_commit(&rt);
     common::cli_backfill_until_done(&s);
     let done = facts_events(&rt, &s, "bootstrap");
     assert_eq!(done.len(), 1, "the chunked snapshot completed generation 0");

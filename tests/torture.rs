@@ -119,6 +119,14 @@ fn forced(what: &str, seeds: std::ops::Range<u64>, overrides: &Overrides, enough
 ///   in the plans table, then listed the folder after the other had created
 ///   it and written its plan, and took the plan's data file for a foreign
 ///   file (exit 2). `tests/concurrent_first.rs` makes the window certain.
+/// - 150001629 (a seed whose generation a stream's full bootstrap took,
+///   then a cleanup past the copy's time): the repeated call answered
+///   "data loss" (exit 3) where "another snapshot" (exit 2) is right; the
+///   target's own refusals now come first (`engine::seed::decide`).
+/// - 150012436 (a seed cut after its bronze commit, then a chunked snapshot
+///   opened and completed generation 0): every later call of the seed asked
+///   to be called again; it now removes its rows and exits 2
+///   (`tests/seed_crash.rs`).
 #[test]
 fn schedules_the_soak_found_pass() {
     for seed in [10_000_933u64, 20_000_981, 10_001_125, 20_000_761, 20_001_282, 10_001_298, 30_001_859, 110_002_687, 120_010_174, 140_010_510, 150_001_629, 150_012_436] {

@@ -30,18 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflows" / "test
 import simlib  # noqa: E402
 
 BIN = simlib.BIN
-failures: list[str] = []
-passed = 0
-
-
-def check(what: str, ok: bool, detail: str = "") -> None:
-    global passed
-    if ok:
-        passed += 1
-        print(f"ok   {what}")
-    else:
-        failures.append(what)
-        print(f"FAIL {what}{': ' + detail[:600] if detail else ''}")
+check = simlib.Checks(detail_chars=600)
 
 
 def on_terminal(args: list[str], env: dict | None = None) -> tuple[int, dict, str]:
@@ -129,10 +118,7 @@ def main() -> int:
     check("reconcile on a pipe: plain lines", plain(err_p) and "reconcile of" not in err_p, repr(err_p[-800:]))
     check("reconcile: both clean", out_t.get("clean") is True and out_p.get("clean") is True, f"{out_t} {out_p}")
 
-    print(f"progress_test: {passed} passed, {len(failures)} failed")
-    for f in failures:
-        print(f"  failed: {f}")
-    return 1 if failures else 0
+    return check.summary("progress_test")
 
 
 if __name__ == "__main__":

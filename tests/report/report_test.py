@@ -41,18 +41,7 @@ from simlib import cdc  # noqa: E402
 from playwright.sync_api import sync_playwright  # noqa: E402
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-failures: list[str] = []
-passed = 0
-
-
-def check(what: str, ok: bool, detail: str = "") -> None:
-    global passed
-    if ok:
-        passed += 1
-        print(f"ok   {what}")
-    else:
-        failures.append(what)
-        print(f"FAIL {what}{': ' + detail if detail else ''}")
+check = simlib.Checks()
 
 
 def writes(t: simlib.Table, n: int, seed: int) -> None:
@@ -226,10 +215,7 @@ def main() -> int:
     external = [u for u in requests if not u.startswith("file://")]
     check("the browser fetched nothing but the pages' files", not external, str(external[:5]))
 
-    print(f"report_test: {passed} passed, {len(failures)} failed; screenshots in {shots}")
-    for f in failures:
-        print(f"  failed: {f}")
-    return 1 if failures else 0
+    return check.summary("report_test", f"; screenshots in {shots}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,32 @@ from pathlib import Path
 BIN = os.environ.get("MSSQL_CDC_BIN", "mssql-cdc")
 
 
+class Checks:
+    """A test's tally of checks: each call prints `ok` or `FAIL` and the
+    check's name; `summary` prints the counts and the failed names and gives
+    the exit code (0 when every check held, 1 when one failed)."""
+
+    def __init__(self, detail_chars: int | None = None) -> None:
+        self.passed = 0
+        self.failures: list[str] = []
+        self.detail_chars = detail_chars
+
+    def __call__(self, what: str, ok: bool, detail: str = "") -> None:
+        if ok:
+            self.passed += 1
+            print(f"ok   {what}")
+        else:
+            self.failures.append(what)
+            shown = detail if self.detail_chars is None else detail[: self.detail_chars]
+            print(f"FAIL {what}{': ' + shown if shown else ''}")
+
+    def summary(self, name: str, note: str = "") -> int:
+        print(f"{name}: {self.passed} passed, {len(self.failures)} failed{note}")
+        for f in self.failures:
+            print(f"  failed: {f}")
+        return 1 if self.failures else 0
+
+
 def cdc(*args: str, check: bool = True) -> tuple[int, dict, str]:
     """Runs the binary: (exit code, JSON of the last stdout line, stderr)."""
     proc = subprocess.run([BIN, *args], capture_output=True, text=True, env={**os.environ, "MSSQL_CDC_LOG": os.environ.get("MSSQL_CDC_LOG", "warn")})
