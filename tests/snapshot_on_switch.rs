@@ -620,3 +620,71 @@ fn stable(text: &str, key: &str) -> String {
     out.push_str(rest);
     out
 }
+
+/// bronze's rows of whole snapshots (a seed's or a full snapshot's), counted.
+async fn whole_snapshot_rows(location: &str) -> usize {
+    read_table(location, "SELECT _start_lsn FROM t WHERE _operation = 0 AND _chunk IS NULL").await.iter().map(RecordBatch::num_rows).sum()
+}
+
+/// A seed completes generation 0; the stream then switches capture
+/// instances and the chunked snapshot the switch opens is read to its end.
+/// Its completion is a second `bootstrap` row of generation 0 (under its
+/// own S-keyed txn), beside the seed's. A later call of the same seed must
+/// find itself done and leave its rows. A rerun that took the switch
+/// snapshot's completion for another step's start of the generation would
+/// remove the seed's rows from bronze and still answer "already seeded"
+/// (the review of the fix for soak schedule 150012436 found that window).
+#[test]
+fn a_seed_called_again_after_a_switch_snapshot_completed_in_its_generation_keeps_its_rows() {
+    let s = setup(WORKFLOW);
+    let table = s.table.clone();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let recorded = s.db.max_lsn().unwrap().unwrap();
+    let copy = s.dir.path().join("copy");
+    rt.block_on(async {
+        let source = s.db.source().unwrap();
+        let ci = mssql_cdc::source::CdcSource::capture_instances(&source, &table).await.unwrap().pop().unwrap();
+        mssql_cdc::seed_copy::export_parquet(&source, &table, &ci.columns, &copy, 1000).await.unwrap();
+    });
+    let (copy_text, as_of) = (copy.to_str().unwrap().to_string(), recorded.to_hex());
+    let seed_args = ["seed", "--copy", copy_text.as_str(), "--as-of", as_of.as_str()];
+    let seeded = s.ok(&seed_args);
+    assert_eq!(seeded["already_seeded"], false, "{seeded}");
+    let seed_rows = rt.block_on(whole_snapshot_rows(&s.location("bronze")));
+    assert_eq!(seed_rows as i64, ROWS, "the copy's rows are bronze's snapshot");
+
+    s.write(|tx| tx.update(&table, &vec![SqlValue::Int(2)], row(2, 21)));
+    s.ok(&["stream"]);
+    s.db.add_column(&table, ColumnDesc::new("note", SqlType::NVarChar { len: Some(20) }, true)).unwrap();
+    s.write(|tx| tx.update(&table, &vec![SqlValue::Int(5)], row_with_note(5, 51, Some("pre5"))));
+    s.db.enable_cdc(&table, Some(NEW_INSTANCE), None).unwrap();
+    s.write(|tx| tx.insert(&table, row_with_note(62, 620, Some("n62"))));
+    let mut opened = false;
+    for _ in 0..10 {
+        let r = s.ok(&["stream"]);
+        opened |= r["snapshots_on_switch"].as_array().is_some_and(|a| !a.is_empty());
+        if opened {
+            break;
+        }
+    }
+    assert!(opened, "the stream switched and opened the switch's snapshot");
+    for calls in 0.. {
+        assert!(calls < 20, "backfill never finished");
+        if s.ok(&["backfill", "--max-waves", "1"])["done"] == true {
+            break;
+        }
+    }
+    s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
+    common::settle(&s.db);
+    s.ok(&["stream"]);
+    let f = rt.block_on(facts(&s.location("facts")));
+    let completions: Vec<&Fact> = f.iter().filter(|r| r.event.as_deref() == Some("bootstrap") && r.generation == 0).collect();
+    assert_eq!(completions.len(), 2, "the premise: the seed's and the switch snapshot's completions, both generation 0: {f:?}");
+
+    let again = s.ok(&seed_args);
+    assert_eq!(again["already_seeded"], true, "{again}");
+    assert_eq!(rt.block_on(whole_snapshot_rows(&s.location("bronze"))), seed_rows, "the seed's rows are still in bronze");
+    let (columns, expected) = s.source_rows();
+    let bronze = rt.block_on(bronze_latest(&s.location("bronze"), &columns));
+    assert_same("bronze's latest image", &columns, &expected, &bronze);
+}

@@ -545,10 +545,36 @@ async fn complete_or_undo(
     duration_ms: Option<i64>,
     detail: Value,
 ) -> StepResult<Option<StepError>> {
-    let Claimed::Taken { claim, .. } = write_completion(ctx, generation, lsn, rows, commit_ts, Some(bronze_version), duration_ms, detail).await? else {
-        return Ok(None);
+    let taken_by = match write_completion(ctx, generation, lsn, rows, commit_ts, Some(bronze_version), duration_ms, detail).await? {
+        Claimed::Committed { .. } => return Ok(None),
+        Claimed::Taken { claim, .. } => claim.app_id,
+        // The generation's completion key is applied: by this seed (another
+        // call of it) or by another step's completion of the generation (a
+        // chunked snapshot that completed while the seed was cut, an empty
+        // table's full snapshot, which commits nothing to bronze). Only the
+        // completion row says which.
+        Claimed::AlreadyApplied { .. } => {
+            ctx.facts.update_state().await.map_err(StepError::delta(&ctx.workflow.target.facts))?;
+            let facts_rows = super::state::facts_rows(&ctx.facts, &ctx.workflow.app_id).await?;
+            if facts_rows.iter().any(|r| r.generation == generation && completes_commit(r, bronze_version, lsn)) {
+                return Ok(None);
+            }
+            format!("{}#events", ctx.workflow.app_id)
+        }
     };
-    Ok(Some(undo(ctx, generation, lsn, bronze_version, &claim.app_id).await?))
+    Ok(Some(undo(ctx, generation, lsn, bronze_version, &taken_by).await?))
+}
+
+/// Whether completion row `r` completes the seed whose bronze commit is
+/// `bronze_version` at `lsn`: it names that commit (every completion this
+/// program writes from a seed's commit does), or, without a commit, it is a
+/// seed's completion at that LSN.
+fn completes_commit(r: &FactRow, bronze_version: i64, lsn: Lsn) -> bool {
+    is_completion(r)
+        && match r.bronze_version {
+            Some(v) => v == bronze_version,
+            None => is_seed_completion(r) && r.min_lsn == Some(lsn),
+        }
 }
 
 /// Removes the rows of the seed whose bronze commit is `bronze_version`,
@@ -736,15 +762,20 @@ async fn finish_interrupted_seed(ctx: &mut Context, facts_rows: &[FactRow]) -> S
     let snap_app = format!("{}#snapshot", ctx.workflow.app_id);
     let Some(version) = delta::txn_version(&ctx.bronze, &snap_app).await? else { return Ok(false) };
     let generation = version as i32;
-    let completion = facts_rows.iter().find(|r| r.generation == generation && is_completion(r));
     // A seed's completion of the generation is this commit's: only one
-    // commit holds `<app>#snapshot` at a version.
-    if completion.is_some_and(is_seed_completion) {
+    // commit holds `<app>#snapshot` at a version. Any of the generation's
+    // completions counts, not the first found: a chunked snapshot opened on
+    // a capture-instance switch completes in the running generation too,
+    // beside the seed's row, under a key of its own.
+    if facts_rows.iter().any(|r| r.generation == generation && is_seed_completion(r)) {
         return Ok(false);
     }
     // Other snapshots' interrupted completions are their own step's to finish.
     let Some((bronze_version, meta)) = delta::find_txn_commit(&ctx.bronze, &Txn::new(snap_app, version)).await? else { return Ok(false) };
     if meta.get("kind").and_then(Value::as_str) != Some("seed") {
+        return Ok(false);
+    }
+    if facts_rows.iter().any(|r| r.generation == generation && is_completion(r) && r.bronze_version == Some(bronze_version)) {
         return Ok(false);
     }
     let lsn = meta.get("snapshot_lsn").and_then(Value::as_str).and_then(|s| Lsn::parse(s).ok()).ok_or_else(|| {
@@ -755,17 +786,13 @@ async fn finish_interrupted_seed(ctx: &mut Context, facts_rows: &[FactRow]) -> S
     if delta::files_of_commit_held(&ctx.bronze, bronze_version).await?.is_empty() {
         return Ok(false);
     }
-    if let Some(other) = completion {
-        // Its completion cannot be written any more (the generation's
-        // completion key is applied), and left alone the rows would stay in
-        // bronze beside the snapshot that holds the generation, while every
-        // call of this seed found itself pending (the soak's schedule
-        // 150012436, answered "call again" for good).
-        let taken_by = format!("{} at {}", other.event.as_deref().unwrap_or("completion"), other.max_lsn.map(|l| l.to_string()).unwrap_or_default());
-        let e = undo(ctx, generation, lsn, bronze_version, &taken_by).await?;
-        tracing::warn!(error = %e, "the interrupted seed lost its generation");
-        return Ok(true);
-    }
+    // Otherwise the completion is written now; when another step completed
+    // the generation meanwhile (a chunked snapshot opened and read to its end
+    // while the seed was cut), the completion key is applied without the
+    // seed's row, and `complete_or_undo` removes the rows instead. Left alone
+    // they stayed in bronze beside that snapshot, while every call of this
+    // seed found itself pending (the soak's schedule 150012436, answered
+    // "call again" for good).
     let rows = meta.get("rows").and_then(Value::as_i64).unwrap_or(0);
     tracing::warn!(lsn = %lsn, generation, "bronze holds a seed without its facts row (a crash between the two commits): writing it now");
     match complete_from_commit(ctx, generation, lsn, rows, bronze_version, &meta).await? {
