@@ -241,7 +241,7 @@ fn a_seed_cut_after_its_bronze_commit_then_a_chunked_open_the_rerun_removes_its_
 #[test]
 fn a_seed_cut_after_its_bronze_commit_then_a_chunked_snapshot_completed_the_rerun_removes_its_rows() {
     let (_fp, rt) = failpoints_and_runtime();
-    let (s, args, rows) = chunked_seed_cut_after_its_bronze_commit(&rt);
+    let (s, args, _) = chunked_seed_cut_after_its_bronze_commit(&rt);
     common::cli_backfill_until_done(&s);
     let done = facts_events(&rt, &s, "bootstrap");
     assert_eq!(done.len(), 1, "the chunked snapshot completed generation 0");
