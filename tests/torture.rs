@@ -175,6 +175,26 @@ fn forced_snapshot_on_switch_is_read_beside_the_stream() {
     }
 }
 
+/// A seed bootstrap, a switch after it and the snapshot the switch opens
+/// in the seed's generation, read to its end; the drain then calls every
+/// finished seed again (once after the first wave, once after the last).
+/// On 14ce033's engine the call after the last wave removed the seed's
+/// rows from bronze and answered "already seeded": the copies' check fails.
+#[test]
+fn forced_seed_then_a_snapshot_on_switch_then_the_seed_again() {
+    let overrides = Overrides {
+        seed: Some(true),
+        switch: Some(true),
+        chunked: Some(true),
+        snapshot_on_switch: Some(true),
+        data_loss: Some("none"),
+        ..Default::default()
+    };
+    forced("a seed, then a snapshot on a switch, then the seed again", 8_900_000..8_900_010, &overrides, |t| {
+        t.seeded >= 6 && t.switches >= 6 && t.snapshots_on_switch >= 6
+    });
+}
+
 #[test]
 fn forced_data_loss_is_skipped_only_over_a_real_purge() {
     let overrides = Overrides {
