@@ -16,6 +16,7 @@ pub mod report;
 pub mod seed_copy;
 pub mod sim;
 pub mod source;
+pub mod storage;
 pub mod torture;
 pub mod types;
 pub mod workflow;

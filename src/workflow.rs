@@ -80,8 +80,9 @@ pub struct TargetConfig {
     /// The reconcile report table (default: `<silver>_reconcile`).
     #[serde(default)]
     pub reconcile: Option<String>,
-    /// Options for the object store (e.g. AWS_REGION). A value written
-    /// `env:NAME` is read from the environment, so keys stay out of the file.
+    /// Options for the object store (e.g. AWS_REGION). A secret is written
+    /// as a reference, `env:NAME` or `file:PATH`, never literally: a literal
+    /// one is refused (`crate::storage`).
     #[serde(default)]
     pub storage_options: BTreeMap<String, String>,
 }
@@ -298,6 +299,9 @@ impl Workflow {
     fn validate(&self) -> StepResult<()> {
         let file = self.path.display();
         let bad = |what: String| Err(StepError::Config(format!("workflow file {file}: {what}")));
+        if let Err(why) = crate::storage::check(&self.target.storage_options) {
+            return bad(why);
+        }
         if let Err(why) = check_app_id(&self.app_id) {
             return bad(why);
         }
@@ -455,19 +459,12 @@ impl Workflow {
         TableName::new(self.table.schema.clone(), self.table.name.clone())
     }
 
-    /// The object-store options with `env:NAME` values read from the environment.
+    /// The object-store options with their references read (`env:NAME`
+    /// from the environment, `file:PATH` from a file, a relative path from
+    /// the workflow file's folder): see [`crate::storage`].
     pub fn storage_options(&self) -> StepResult<std::collections::HashMap<String, String>> {
-        let mut out = std::collections::HashMap::new();
-        for (k, v) in &self.target.storage_options {
-            let value = match v.strip_prefix("env:") {
-                Some(var) => std::env::var(var).map_err(|_| {
-                    StepError::Config(format!("target.storage_options.{k} names the environment variable {var}, which is not set"))
-                })?,
-                None => v.clone(),
-            };
-            out.insert(k.clone(), value);
-        }
-        Ok(out)
+        let base = self.path.parent().map(Path::to_path_buf).unwrap_or_default();
+        crate::storage::resolve(&self.target.storage_options, &base)
     }
 }
 

@@ -1,0 +1,231 @@
+//! Object-store options (`target.storage_options`): the check that keeps
+//! secrets out of workflow files, and the reading of the references that
+//! stand for them.
+//!
+//! Why refuse a literal secret rather than warn: workflow files live in
+//! repositories, orchestrator variables and CI logs; a key written there is
+//! leaked whatever the program does next. A secret is written as a
+//! reference: `env:NAME` (read from the environment when the step runs) or
+//! `file:PATH` (read from a file, e.g. a mounted Kubernetes secret), or left
+//! out so the store's own chain finds it (an instance role, a managed or
+//! workload identity, `GOOGLE_APPLICATION_CREDENTIALS`).
+//!
+//! Which keys are secrets: object_store's and deltalake's own names and
+//! aliases for access keys, secret keys, session and bearer tokens, SAS
+//! tokens, account keys, client secrets and inline service-account keys
+//! ([`SECRET_KEYS`]), compared lowercased as deltalake compares them; and,
+//! as a backstop for a key added by a later release, any key whose name
+//! says secret, password, token or key ([`is_secret_key`]). Paths to
+//! credential files and identifiers (a role ARN, a client id) are not
+//! secrets and stay literal.
+//!
+//! Two settings are refused because they make a promise delta-rs 1.x does
+//! not keep: `aws_conditional_put` other than `etag` (commits then fail or,
+//! on a store that ignores the condition, overwrite each other), and an S3
+//! locking provider (the DynamoDB lock is gone: a user would believe in a
+//! lock that does not exist).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use crate::error::{StepError, StepResult};
+
+/// Storage option keys that hold secrets (lowercase), with their aliases.
+pub const SECRET_KEYS: &[&str] = &[
+    // S3
+    "aws_access_key_id",
+    "access_key_id",
+    "aws_secret_access_key",
+    "secret_access_key",
+    "aws_session_token",
+    "aws_token",
+    "session_token",
+    "token",
+    "aws_sse_customer_key_base64",
+    "sse_customer_key_base64",
+    // Azure
+    "azure_storage_account_key",
+    "azure_storage_access_key",
+    "azure_storage_master_key",
+    "master_key",
+    "account_key",
+    "access_key",
+    "azure_storage_client_secret",
+    "azure_client_secret",
+    "client_secret",
+    "azure_storage_sas_key",
+    "azure_storage_sas_token",
+    "sas_key",
+    "sas_token",
+    "azure_storage_token",
+    "bearer_token",
+    "azure_fabric_session_token",
+    "fabric_session_token",
+    // GCS
+    "google_service_account_key",
+    "service_account_key",
+];
+
+/// Keys whose names look like secrets but hold paths or identifiers.
+const NOT_SECRETS: &[&str] = &[
+    "aws_web_identity_token_file",
+    "aws_container_authorization_token_file",
+    "azure_federated_token_file",
+    "aws_sse_kms_key_id",
+    "aws_conditional_put",
+    "aws_copy_if_not_exists",
+];
+
+/// Proxy keys: a URL with a password in it is a secret.
+const PROXY_KEYS: &[&str] = &["proxy_url", "aws_proxy_url", "azure_proxy_url", "google_proxy_url"];
+
+/// Whether a storage option key holds a secret.
+pub fn is_secret_key(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    if NOT_SECRETS.contains(&k.as_str()) {
+        return false;
+    }
+    if SECRET_KEYS.contains(&k.as_str()) {
+        return true;
+    }
+    let token_like = k.contains("token") && !k.ends_with("_file") && !k.ends_with("_url");
+    k.contains("secret") || k.contains("password") || k.contains("passwd") || k.contains("sas_") || token_like || k.ends_with("_key") || k.ends_with("key_base64")
+}
+
+/// A value that stands for another: `env:NAME` or `file:PATH`.
+fn reference(value: &str) -> Option<(&'static str, &str)> {
+    value.strip_prefix("env:").map(|n| ("env", n)).or_else(|| value.strip_prefix("file:").map(|p| ("file", p)))
+}
+
+/// Checks the options as written (before anything is read or written): a
+/// secret only by reference, no empty reference, no setting that would make
+/// concurrent commits unsafe. The error names the key, never its value.
+pub fn check(options: &BTreeMap<String, String>) -> Result<(), String> {
+    for (key, value) in options {
+        let k = key.to_ascii_lowercase();
+        match reference(value) {
+            Some((kind, rest)) if rest.trim().is_empty() => {
+                return Err(format!("target.storage_options.{key} is \"{kind}:\" with nothing after it: name the {}", if kind == "env" { "environment variable" } else { "file" }));
+            }
+            Some(_) => {}
+            None if is_secret_key(&k) => {
+                return Err(format!(
+                    "target.storage_options.{key} holds a secret written into the file: write env:NAME (an environment variable) or \
+                     file:PATH (a file holding it), or leave it out and let the store's own credentials supply it (an instance role, \
+                     a managed or workload identity)"
+                ));
+            }
+            None if PROXY_KEYS.contains(&k.as_str()) && proxy_has_password(value) => {
+                return Err(format!("target.storage_options.{key} has a password in its URL: write it as env:NAME or file:PATH"));
+            }
+            None => {}
+        }
+        if (k == "aws_conditional_put" || k == "conditional_put") && !value.eq_ignore_ascii_case("etag") && reference(value).is_none() {
+            return Err(format!(
+                "target.storage_options.{key} is \"{value}\": commits to S3 are made safe against a concurrent writer only by conditional \
+                 writes (\"etag\", the default); remove it, or set it to \"etag\""
+            ));
+        }
+        if k == "aws_s3_locking_provider" || k == "aws_s3_locking_provider_dynamodb" {
+            return Err(format!(
+                "target.storage_options.{key}: this release's Delta library has no DynamoDB lock (it commits by conditional writes, which \
+                 S3 has honoured since 2024); remove the option. A store that does not honour If-None-Match is not safe for two writers"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn proxy_has_password(url: &str) -> bool {
+    url::Url::parse(url).map(|u| u.password().is_some()).unwrap_or(false)
+}
+
+/// The options with each reference read: `env:NAME` from the environment,
+/// `file:PATH` from the file (a relative path from `base`, the workflow
+/// file's folder; one trailing newline dropped). An error names the key and
+/// where it looked, never a value.
+pub fn resolve(options: &BTreeMap<String, String>, base: &Path) -> StepResult<HashMap<String, String>> {
+    let mut out = HashMap::new();
+    for (k, v) in options {
+        let value = match reference(v) {
+            Some(("env", var)) => std::env::var(var)
+                .map_err(|_| StepError::Config(format!("target.storage_options.{k} names the environment variable {var}, which is not set")))?,
+            Some((_, path)) => {
+                let p = base.join(path);
+                let text = std::fs::read_to_string(&p).map_err(|e| {
+                    StepError::Config(format!("target.storage_options.{k} names the file {}, which cannot be read: {e}", p.display()))
+                })?;
+                text.strip_suffix("\r\n").or_else(|| text.strip_suffix('\n')).unwrap_or(&text).to_string()
+            }
+            None => v.clone(),
+        };
+        out.insert(k.clone(), value);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn every_secret_key_is_refused_literal_and_accepted_by_reference() {
+        for key in SECRET_KEYS.iter().map(|k| k.to_string()).chain(["AWS_SECRET_ACCESS_KEY".into(), "Azure_Storage_Account_Key".into()]) {
+            let err = check(&opts(&[(&key, "s3cr3t-value")])).expect_err(&key);
+            assert!(err.contains(&key) && !err.contains("s3cr3t-value"), "{err}");
+            check(&opts(&[(&key, "env:SOME_VAR")])).unwrap_or_else(|e| panic!("{key}: {e}"));
+            check(&opts(&[(&key, "file:/run/secrets/x")])).unwrap_or_else(|e| panic!("{key}: {e}"));
+        }
+    }
+
+    #[test]
+    fn paths_identifiers_and_settings_stay_literal() {
+        let fine = opts(&[
+            ("AWS_REGION", "eu-west-1"),
+            ("AWS_ENDPOINT_URL", "http://127.0.0.1:5000"),
+            ("AWS_ALLOW_HTTP", "true"),
+            ("aws_web_identity_token_file", "/var/run/token"),
+            ("azure_federated_token_file", "/var/run/azure"),
+            ("azure_storage_account_name", "lake"),
+            ("azure_client_id", "0000-1111"),
+            ("aws_sse_kms_key_id", "arn:aws:kms:x"),
+            ("azure_storage_use_emulator", "true"),
+            ("google_service_account", "/etc/gcp/key.json"),
+            ("aws_conditional_put", "etag"),
+            ("proxy_url", "http://proxy:3128"),
+        ]);
+        check(&fine).unwrap();
+    }
+
+    #[test]
+    fn a_new_secret_sounding_key_is_refused_by_its_name() {
+        for key in ["azure_storage_new_secret", "x_password", "some_token", "mystery_key"] {
+            assert!(check(&opts(&[(key, "v")])).is_err(), "{key}");
+        }
+    }
+
+    #[test]
+    fn unsafe_commit_settings_and_empty_references_are_refused() {
+        assert!(check(&opts(&[("aws_conditional_put", "disabled")])).unwrap_err().contains("etag"));
+        assert!(check(&opts(&[("AWS_S3_LOCKING_PROVIDER", "dynamodb")])).unwrap_err().contains("DynamoDB"));
+        assert!(check(&opts(&[("AWS_SECRET_ACCESS_KEY", "env:")])).unwrap_err().contains("nothing after it"));
+        assert!(check(&opts(&[("proxy_url", "http://u:pw@proxy:3128")])).unwrap_err().contains("password"));
+    }
+
+    #[test]
+    fn references_are_read_from_the_environment_and_from_files() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("key"), "from-a-file\n").unwrap();
+        std::env::set_var("MSSQL_CDC_STORAGE_TEST_VAR", "from-env");
+        let got = resolve(&opts(&[("a", "env:MSSQL_CDC_STORAGE_TEST_VAR"), ("b", "file:key"), ("c", "plain")]), dir.path()).unwrap();
+        assert_eq!((got["a"].as_str(), got["b"].as_str(), got["c"].as_str()), ("from-env", "from-a-file", "plain"));
+        let e = resolve(&opts(&[("b", "file:missing")]), dir.path()).unwrap_err().to_string();
+        assert!(e.contains("missing"), "{e}");
+        let e = resolve(&opts(&[("a", "env:MSSQL_CDC_STORAGE_TEST_UNSET")]), dir.path()).unwrap_err().to_string();
+        assert!(e.contains("MSSQL_CDC_STORAGE_TEST_UNSET"), "{e}");
+    }
+}
