@@ -24,9 +24,21 @@
 //! on a store that ignores the condition, overwrite each other), and an S3
 //! locking provider (the DynamoDB lock is gone: a user would believe in a
 //! lock that does not exist).
+//!
+//! And the store itself is asked, not trusted ([`check_conditional_puts`]):
+//! every guarantee of the steps run side by side rests on a commit being
+//! put-if-absent, and nothing in a URL says whether an S3-compatible store
+//! honours `If-None-Match`. Before a step that writes opens its tables, one
+//! object is put twice with the create-only condition under a table's
+//! `_delta_log/`, and a store that accepts the second put is refused unless
+//! the workflow says `target.single_writer = true`. Three requests per store
+//! and call, against the tens a commit takes.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
+use std::sync::Mutex;
+
+use deltalake::logstore::object_store::{PutMode, PutOptions, PutPayload};
 
 use crate::error::{StepError, StepResult};
 
@@ -162,6 +174,83 @@ pub fn resolve(options: &BTreeMap<String, String>, base: &Path) -> StepResult<Ha
         out.insert(k.clone(), value);
     }
     Ok(out)
+}
+
+/// The stores this process has found to honour create-only puts (scheme and
+/// authority: a bucket, a container), so a fleet call asks each once.
+static CONDITIONAL_PUTS_SEEN: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+/// The name of a probe object: under `_delta_log/`, where a folder whose
+/// only entries are not commits is still "no table yet" to
+/// `delta::open_existing`, and which Delta readers skip (not a commit or
+/// checkpoint name). A probe a crash left behind harms nothing.
+fn probe_path() -> deltalake::Path {
+    deltalake::Path::from(format!("_delta_log/_mssql_cdc_put_check_{}.tmp", uuid::Uuid::new_v4().simple()))
+}
+
+/// Asks the store behind each object-store location (once per bucket or
+/// container, per process) whether it honours a create-only put: the same
+/// object is put twice with `PutMode::Create` and the second must fail with
+/// "already exists". A local path is not asked (the file system's
+/// create-new is the condition). `locations` are `(name in the file,
+/// location)` as [`crate::workflow::Workflow::target_tables`] lists them.
+///
+/// A store that accepts the second put is refused (a `Config` error, exit 2)
+/// unless `single_writer` is set, which logs a warning instead: the user
+/// says no two steps ever write these tables at once. A store that cannot
+/// be reached is the store's error (as any other step's request would be).
+pub async fn check_conditional_puts(
+    locations: &[(String, String)],
+    storage: &HashMap<String, String>,
+    single_writer: bool,
+) -> StepResult<()> {
+    for (name, location) in locations {
+        let url = crate::delta::table_url(location)?;
+        if matches!(url.scheme(), "file" | "memory") {
+            continue;
+        }
+        let key = format!("{}://{}", url.scheme(), url.authority().to_ascii_lowercase());
+        if CONDITIONAL_PUTS_SEEN.lock().unwrap().get_or_insert_with(HashSet::new).contains(&key) {
+            continue;
+        }
+        let table = deltalake::DeltaTableBuilder::from_url(url.clone())
+            .map_err(StepError::delta(location.clone()))?
+            .with_storage_options(storage.clone())
+            .build()
+            .map_err(StepError::delta(location.clone()))?;
+        let store = table.object_store();
+        let path = probe_path();
+        let create = || PutOptions { mode: PutMode::Create, ..Default::default() };
+        let store_err = |source| StepError::Delta { table: location.clone(), source: deltalake::DeltaTableError::ObjectStore { source } };
+        store.put_opts(&path, PutPayload::from_static(b"first"), create()).await.map_err(store_err)?;
+        let second = store.put_opts(&path, PutPayload::from_static(b"second"), create()).await;
+        // Removed whatever the answer; a failed removal leaves a probe that
+        // harms nothing (see `probe_path`).
+        if let Err(e) = deltalake::logstore::object_store::ObjectStoreExt::delete(&*store, &path).await {
+            tracing::warn!("could not remove the put-if-absent probe {path} under {location}: {e}");
+        }
+        match second {
+            Err(deltalake::ObjectStoreError::AlreadyExists { .. }) => {}
+            Ok(_) | Err(deltalake::ObjectStoreError::NotImplemented { .. }) | Err(deltalake::ObjectStoreError::NotSupported { .. }) => {
+                let why = format!(
+                    "the store of {name} '{location}' ({key}) accepted a second create-only put of the same object: it does not \
+                     honour If-None-Match, so two steps committing to one table at once could overwrite each other's commits \
+                     and lose rows"
+                );
+                if !single_writer {
+                    return Err(StepError::Config(format!(
+                        "{why}. Use a store that honours conditional writes (AWS S3, Azure Blob and ADLS, GCS, MinIO and \
+                         most S3-compatible stores do), or, only if no two steps of any workflow writing these tables ever \
+                         run at the same time (not even `stream` beside `backfill`), set target.single_writer = true"
+                    )));
+                }
+                tracing::warn!("{why}; going on because target.single_writer = true");
+            }
+            Err(e) => return Err(store_err(e)),
+        }
+        CONDITIONAL_PUTS_SEEN.lock().unwrap().get_or_insert_with(HashSet::new).insert(key);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -85,6 +85,11 @@ pub struct TargetConfig {
     /// one is refused (`crate::storage`).
     #[serde(default)]
     pub storage_options: BTreeMap<String, String>,
+    /// Go on, with a warning, on an object store that does not honour
+    /// create-only puts (`crate::storage::check_conditional_puts` refuses it
+    /// otherwise). Only for targets no two steps ever write at once.
+    #[serde(default)]
+    pub single_writer: bool,
 }
 
 /// Options of the `stream` step.

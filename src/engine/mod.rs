@@ -221,6 +221,12 @@ impl Context {
                 }
             }
         }
+        if access == Access::ReadWrite {
+            // Before a table is created: a commit must be put-if-absent on
+            // this store. Bronze and facts come first in the list, so their
+            // folders (checked above to be ours or empty) hold the probe.
+            crate::storage::check_conditional_puts(&workflow.target_tables(), &storage, workflow.target.single_writer).await?;
+        }
         let (bronze, facts) = match access {
             Access::ReadOnly => (
                 match bronze_existing {

@@ -19,7 +19,7 @@ Blob as Azurite serves it; tests/objstore/stores.py says how and why):
    actions, every batch id each call said it committed, once.
 
 And the negative control: check 3 on a store that drops `If-None-Match`
-(every put overwrites). There the same reader must find a lost commit within
+(every put overwrites), with `target.single_writer = true` to get past 4. There the same reader must find a lost commit within
 a few rounds; if it never does, the check could not disagree and the test
 fails.
 
@@ -103,7 +103,7 @@ def toml_options(options: dict) -> str:
 
 
 def workflow(folder: Path, store: stores.Store, bucket: str, app: str, db: Path, table: str, facts: str,
-             snapshot: str, options: dict | None = None, stream: str = "") -> Path:
+             snapshot: str, options: dict | None = None, stream: str = "", target: str = "") -> Path:
     path = folder / f"{app}.toml"
     path.write_text(
         f'app_id = "{app}"\n'
@@ -111,7 +111,7 @@ def workflow(folder: Path, store: stores.Store, bucket: str, app: str, db: Path,
         f'[table]\nschema = "dbo"\nname = "{table}"\n'
         f'[target]\nbronze = "{store.url(bucket, f"lake/{app}/bronze")}"\n'
         f'facts = "{store.url(bucket, facts)}"\n'
-        f'silver = "{store.url(bucket, f"lake/{app}/silver")}"\n'
+        f'silver = "{store.url(bucket, f"lake/{app}/silver")}"\n{target}'
         f"[target.storage_options]\n{toml_options(options if options is not None else store.options)}"
         f"{snapshot}"
         f"[stream]\n{stream or 'max_batch_rows = 200'}\n"
@@ -201,7 +201,7 @@ def facts_batches(store: stores.Store, bucket: str, facts: str) -> tuple[dict[st
     return batches, len(names)
 
 
-def two_writers(store: stores.Store, tmp: Path, round_no: int) -> tuple[bool, str]:
+def two_writers(store: stores.Store, tmp: Path, round_no: int, target: str = "") -> tuple[bool, str]:
     """Check 3's race: True when the log holds each call's batches exactly."""
     env = base_env(store)
     folder = tmp / f"race-{store.kind}-{round_no}-{int(time.time() * 1000)}"
@@ -213,7 +213,7 @@ def two_writers(store: stores.Store, tmp: Path, round_no: int) -> tuple[bool, st
     for i, app in enumerate(("east", "west")):
         db = make_table(env, folder, app, rows=0, transactions=300, seed=10 + i)
         apps[app] = workflow(folder, store, bucket, app, db, app, facts, NO_SNAPSHOT,
-                             stream='start = "earliest"\nmax_batch_rows = 10\n')
+                             stream='start = "earliest"\nmax_batch_rows = 10\n', target=target)
     procs = {
         app: subprocess.Popen([BIN, "--workflow", str(wf), "stream"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env)
@@ -262,10 +262,23 @@ def main() -> int:
             ok, detail = two_writers(store, tmp, 0)
             check(f"{store.name}: two processes commit to one facts table at once, no commit lost", ok, detail)
             print(f"     {store.name}: {detail}; {time.monotonic() - t0:.1f}s")
-        # The negative control: the same race where puts overwrite.
+        # A store that drops If-None-Match is refused before a table is made.
+        refused = tmp / "refused"
+        refused.mkdir()
+        overwriting.make_bucket("refused")
+        env = base_env(overwriting)
+        db = make_table(env, refused, "orders", rows=100, transactions=5, seed=7)
+        wf = workflow(refused, overwriting, "refused", "orders", db, "orders", "lake/ops/facts", CHUNKED)
+        code, out, err = cdc(env, "--workflow", str(wf), "stream")
+        check(f"{overwriting.name}: a store without conditional puts is refused (exit 2, naming target.single_writer)",
+              code == 2 and "single_writer" in json.dumps(out), f"exit {code} {out} {err[-500:]}")
+        left = [k for k in overwriting.keys("refused", "") if "_delta_log/0" in k or k.endswith(".parquet")]
+        check(f"{overwriting.name}: the refused call created no table", not left, f"{left[:5]}")
+        # The negative control: the same race where puts overwrite, which the
+        # user allowed by saying no two steps run at once (and then broke).
         seen = []
         for round_no in range(4):
-            ok, detail = two_writers(overwriting, tmp, round_no)
+            ok, detail = two_writers(overwriting, tmp, round_no, target="single_writer = true\n")
             seen.append(detail)
             if not ok:
                 break
