@@ -38,7 +38,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::Mutex;
 
-use deltalake::logstore::object_store::{PutMode, PutOptions, PutPayload};
+use deltalake::logstore::object_store::{ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use deltalake::ObjectStore;
 
 use crate::error::{StepError, StepResult};
 
@@ -226,7 +227,7 @@ pub async fn check_conditional_puts(
         let second = store.put_opts(&path, PutPayload::from_static(b"second"), create()).await;
         // Removed whatever the answer; a failed removal leaves a probe that
         // harms nothing (see `probe_path`).
-        if let Err(e) = deltalake::logstore::object_store::ObjectStoreExt::delete(&*store, &path).await {
+        if let Err(e) = store.delete(&path).await {
             tracing::warn!("could not remove the put-if-absent probe {path} under {location}: {e}");
         }
         match second {
