@@ -214,7 +214,22 @@ pub async fn check_conditional_puts(
         if matches!(url.scheme(), "file" | "memory") {
             continue;
         }
-        let key = format!("{}://{}", url.scheme(), url.authority().to_ascii_lowercase());
+        // The bucket alone does not name a store: the endpoint (an
+        // S3-compatible server) and the account (Azure) do too.
+        let mut key = format!("{}://{}", url.scheme(), url.authority().to_ascii_lowercase());
+        let mut named: Vec<String> = storage
+            .iter()
+            .filter(|(k, _)| {
+                let k = k.to_ascii_lowercase();
+                k.contains("endpoint") || k.contains("account_name") || k.ends_with("_url") || k.contains("use_emulator")
+            })
+            .map(|(k, v)| format!("{}={v}", k.to_ascii_lowercase()))
+            .collect();
+        named.sort();
+        for n in named {
+            key.push(' ');
+            key.push_str(&n);
+        }
         if CONDITIONAL_PUTS_SEEN.lock().unwrap().get_or_insert_with(HashSet::new).contains(&key) {
             continue;
         }
@@ -227,7 +242,20 @@ pub async fn check_conditional_puts(
         let path = probe_path();
         let create = || PutOptions { mode: PutMode::Create, ..Default::default() };
         let store_err = |source: deltalake::ObjectStoreError| StepError::Delta { table: location.clone(), source: deltalake::DeltaTableError::ObjectStore { source } };
-        store.put_opts(&path, PutPayload::from_static(b"first"), create()).await.map_err(store_err)?;
+        match store.put_opts(&path, PutPayload::from_static(b"first"), create()).await {
+            Ok(_) => {}
+            // S3 with conditional puts turned off (`aws_conditional_put =
+            // disabled`, which deltalake-aws also takes from the environment)
+            // refuses every create-only put, so every commit would fail:
+            // a setting to change, not a store to call again.
+            Err(e @ (deltalake::ObjectStoreError::NotImplemented { .. } | deltalake::ObjectStoreError::NotSupported { .. })) => {
+                return Err(StepError::Config(format!(
+                    "the store of {name} '{location}' refuses create-only puts ({e}), which every Delta commit is: remove \
+                     AWS_CONDITIONAL_PUT from the environment and aws_conditional_put from target.storage_options"
+                )));
+            }
+            Err(e) => return Err(store_err(e)),
+        }
         let second = store.put_opts(&path, PutPayload::from_static(b"second"), create()).await;
         // Removed whatever the answer; a failed removal leaves a probe that
         // harms nothing (see `probe_path`).
@@ -235,7 +263,14 @@ pub async fn check_conditional_puts(
             tracing::warn!("could not remove the put-if-absent probe {path} under {location}: {e}");
         }
         match second {
-            Err(deltalake::ObjectStoreError::AlreadyExists { .. }) => {}
+            // Refused: the condition held. (S3 and GCS map 412 to
+            // AlreadyExists; an Azure-compatible store answering 412 comes
+            // through as Precondition.)
+            Err(
+                deltalake::ObjectStoreError::AlreadyExists { .. }
+                | deltalake::ObjectStoreError::Precondition { .. }
+                | deltalake::ObjectStoreError::NotModified { .. },
+            ) => {}
             Ok(_) | Err(deltalake::ObjectStoreError::NotImplemented { .. }) | Err(deltalake::ObjectStoreError::NotSupported { .. }) => {
                 let why = format!(
                     "the store of {name} '{location}' ({key}) accepted a second create-only put of the same object: it does not \

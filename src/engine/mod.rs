@@ -223,8 +223,10 @@ impl Context {
         }
         if access == Access::ReadWrite {
             // Before a table is created: a commit must be put-if-absent on
-            // this store. Bronze and facts come first in the list, so their
-            // folders (checked above to be ours or empty) hold the probe.
+            // this store. Bronze and facts come first in the list, so on
+            // their store the probe goes to a folder checked above to be ours
+            // or empty; a table on another store gets it in its own folder,
+            // where a leftover probe (a crash) still reads as no table yet.
             crate::storage::check_conditional_puts(&workflow.target_tables(), &storage, workflow.target.single_writer).await?;
         }
         let (bronze, facts) = match access {
