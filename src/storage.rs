@@ -216,7 +216,8 @@ pub async fn check_conditional_puts(
         }
         // The bucket alone does not name a store: the endpoint (an
         // S3-compatible server) and the account (Azure) do too.
-        let mut key = format!("{}://{}", url.scheme(), url.authority().to_ascii_lowercase());
+        let store_name = format!("{}://{}", url.scheme(), url.authority().to_ascii_lowercase());
+        let mut key = store_name.clone();
         let mut named: Vec<String> = storage
             .iter()
             .filter(|(k, _)| {
@@ -273,7 +274,7 @@ pub async fn check_conditional_puts(
             ) => {}
             Ok(_) | Err(deltalake::ObjectStoreError::NotImplemented { .. }) | Err(deltalake::ObjectStoreError::NotSupported { .. }) => {
                 let why = format!(
-                    "the store of {name} '{location}' ({key}) accepted a second create-only put of the same object: it does not \
+                    "the store of {name} '{location}' ({store_name}) accepted a second create-only put of the same object: it does not \
                      honour If-None-Match, so two steps committing to one table at once could overwrite each other's commits \
                      and lose rows"
                 );
