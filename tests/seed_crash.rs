@@ -109,6 +109,11 @@ async fn seed_at(wf: PathBuf, args: SeedArgs) -> StepResult<seed::SeedResult> {
     seed::run(&mut ctx, &args).await
 }
 
+async fn stream_at(wf: PathBuf) -> StepResult<engine::stream::StreamResult> {
+    let mut ctx = engine::open_workflow(&wf).await?;
+    engine::coarse::stream(&mut ctx).await
+}
+
 async fn open_chunked_at(wf: PathBuf) -> StepResult<Option<chunked::OpenResult>> {
     let mut ctx = engine::open_workflow(&wf).await?;
     chunked::ensure_bootstrap_open(&mut ctx).await
@@ -253,6 +258,43 @@ fn a_seed_cut_after_its_bronze_commit_then_a_chunked_snapshot_completed_the_reru
     }
     assert_eq!(facts_events(&rt, &s, "bootstrap").len(), 1, "the chunked snapshot's completion only");
     rt.block_on(s.stream_until_caught_up());
+    assert_eq!(rt.block_on(s.verify()).differences(), 0);
+}
+
+/// A full-mode stream's bootstrap finds a seed cut between its commits and
+/// completes it as the seed's; before it writes the completion, a call run
+/// with the chunked settings opens a chunked snapshot of generation 0. The
+/// seed's rows are removed and the stream is told to call again (exit 75):
+/// the seed's own refusal (exit 2, "run seed --reseed") answered a caller
+/// who had run no seed. Its next call reads the state as it now is, and the
+/// chunked snapshot completes without the seed's rows.
+#[test]
+fn a_stream_completing_a_cut_seed_that_loses_the_generation_calls_again() {
+    let (_fp, rt) = failpoints_and_runtime();
+    let (mut s, args, rows) = scenario_with_copy(&rt, FULL);
+    fail::cfg("seed.after_bronze", "1*return").unwrap();
+    let e = rt.block_on(seed_at(s.wf_path.clone(), args.clone())).unwrap_err();
+    assert!(e.to_string().contains("seed.after_bronze"), "{e}");
+    fail::remove("seed.after_bronze");
+    assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), rows);
+    let chunked_wf = s.path().join("items_chunked.toml");
+    let text = std::fs::read_to_string(&s.wf_path).unwrap();
+    assert!(text.contains(FULL));
+    std::fs::write(&chunked_wf, text.replace(FULL, CHUNKED)).unwrap();
+    let gate = Gate::hold("snapshot.before_repaired_completion", 1);
+    let mut stream_call = start_held(&gate, &s.wf_path, stream_at);
+    rt.block_on(open_chunked_at(chunked_wf)).unwrap().expect("the chunked open takes generation 0");
+    gate.open();
+    let e = stream_call.join().unwrap_err();
+    assert_eq!(e.exit_code(), 75, "{e}");
+    assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), 0, "the seed's rows are removed");
+    assert!(facts_events(&rt, &s, "bootstrap").is_empty());
+    s.write_workflow(CHUNKED);
+    common::cli_backfill_until_done(&s);
+    rt.block_on(s.stream_until_caught_up());
+    let done = facts_events(&rt, &s, "bootstrap");
+    assert_eq!(done.len(), 1);
+    assert_ne!(done[0].detail.as_ref().and_then(|d| d.get("mode")).and_then(|m| m.as_str()), Some("seed"), "{:?}", done[0].detail);
     assert_eq!(rt.block_on(s.verify()).differences(), 0);
 }
 

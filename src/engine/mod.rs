@@ -56,7 +56,9 @@ use crate::workflow::Workflow;
 /// recovery's facts read, before its recovery row) and
 /// `apply.between_facts_and_plans` (apply's facts read, before its plans read)
 /// and `apply.before_state` (apply's capture instance picked, before its
-/// facts read).
+/// facts read); for `tests/seed_crash.rs`, `snapshot.before_repaired_completion`
+/// (a full snapshot or a seed found in bronze without its completion row,
+/// before the row is written).
 pub const FAILPOINTS: &[&str] = &[
     "snapshot.after_open",
     "snapshot.after_bronze",

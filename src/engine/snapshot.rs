@@ -234,11 +234,21 @@ pub async fn finish_committed(ctx: &mut Context, generation: i32, kind: &str, ga
 /// Writes the completion row of a committed full snapshot (see [`finish_committed`]).
 pub async fn complete_committed(ctx: &mut Context, c: &CommittedFull, kind: &str, gap: Option<Gap>) -> StepResult<SnapshotResult> {
     tracing::warn!(snapshot = %c.s, generation = c.generation, "bronze holds a full snapshot without its completion row (a crash between the two): writing it now");
+    failpoint!("snapshot.before_repaired_completion");
     if let Some(meta) = &c.seed_meta {
         // A seed's rows (its call cut, or still running, between its two
         // commits): completed as the seed's, so a rerun of it finds itself.
-        if let Some(e) = super::seed::complete_from_commit(ctx, c.generation, c.s, c.rows, c.bronze_version, meta).await? {
-            return Err(e);
+        if let Some(refusal) = super::seed::complete_from_commit(ctx, c.generation, c.s, c.rows, c.bronze_version, meta).await? {
+            // Another step took the generation first and the seed's rows are
+            // removed again. The seed's refusal (exit 2, "seed --reseed")
+            // speaks to the seed's caller; this call only has to read the
+            // state again, which now shows the step that holds the generation.
+            tracing::warn!(error = %refusal, "the seed this call was completing lost its generation");
+            return Err(StepError::Temporary(format!(
+                "the seed at {} whose rows bronze held for generation {} lost the generation to another step while this call \
+                 completed it, and its rows were removed: call again, the next call goes on from the step that holds the generation",
+                c.s, c.generation
+            )));
         }
         return Ok(SnapshotResult { step: "snapshot", snapshot_lsn: c.s, rows: c.rows, already_done: true, ranges: 0, duration_ms: 0 });
     }

@@ -237,7 +237,7 @@ svg rect.mark { fill: #3b73c4; } svg circle.mark { fill: #3b73c4; } svg .line { 
 svg .mark.bad, svg rect.mark.bad { fill: #c43b3b; } svg .mark.ok, svg rect.mark.ok { fill: #2f9a55; }
 svg .rule { stroke-width: 1.5; stroke-dasharray: 4 3; } svg .rule.bad { stroke: #c43b3b; } svg .rule.ok { stroke: #2f9a55; } svg .rule.info { stroke: #8a6bc4; }
 tr.bad td:first-child { color: #c43b3b; font-weight: 600; } tr.ok td:first-child { color: #2f9a55; }
-code { font-size: 12px; } td code { word-break: break-all; } a { color: #2d5fa8; }
+code { font-size: 12px; } td code { word-break: break-all; } td code.id { word-break: normal; white-space: nowrap; } a { color: #2d5fa8; }
 "#;
 
 fn page_head(out: &mut String, title: &str) {
@@ -509,7 +509,7 @@ pub fn index(tables: &[(String, String, Value)], generated_at: DateTime<Utc>) ->
     );
     for (table, app_id, v) in tables {
         if let Some(e) = v.get("error").and_then(Value::as_str) {
-            let _ = write!(out, "<tr class=\"bad\"><td>{}</td><td><code>{}</code></td><td colspan=\"7\">{}</td></tr>", esc(table), esc(app_id), esc(e));
+            let _ = write!(out, "<tr class=\"bad\"><td>{}</td><td><code class=\"id\">{}</code></td><td colspan=\"7\">{}</td></tr>", esc(table), esc(app_id), esc(e));
             continue;
         }
         let page = v.get("page_file").and_then(Value::as_str).unwrap_or("");
@@ -522,7 +522,7 @@ pub fn index(tables: &[(String, String, Value)], generated_at: DateTime<Utc>) ->
         let last_at = s["last_batch_at"].as_str().and_then(|t| DateTime::parse_from_rfc3339(t).ok()).map(|t| t.format("%Y-%m-%d %H:%M:%S").to_string());
         let _ = write!(
             out,
-            "<tr class=\"{}\"><td><a href=\"{}\">{}</a></td><td><code>{}</code></td><td class=\"num\">{}</td><td class=\"num\">{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td>{}</td></tr>",
+            "<tr class=\"{}\"><td><a href=\"{}\">{}</a></td><td><code class=\"id\">{}</code></td><td class=\"num\">{}</td><td class=\"num\">{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td>{}</td></tr>",
             if s["last_reconcile_clean"].as_bool() == Some(false) || s["recoveries"].as_u64().unwrap_or(0) > 0 { "bad" } else { "ok" },
             esc(page),
             esc(table),

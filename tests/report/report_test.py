@@ -157,6 +157,14 @@ def main() -> int:
         check("the index has a line per table", lines == 3, f"{lines} lines")
         ghost_line = page.locator("#tables tr.bad", has_text="dbo.ghost")
         check("the index's ghost line shows its error", ghost_line.count() == 1 and "facts" in ghost_line.inner_text(), ghost_line.inner_text() if ghost_line.count() else "no line")
+        # An app id is read whole: the index never breaks one across lines,
+        # even in a window too narrow for the table (an inline element has
+        # one client rect per line it spans). With `word-break: break-all`
+        # on every code cell, a narrow window broke them mid-word.
+        page.set_viewport_size({"width": 480, "height": 900})
+        spans = page.evaluate("() => [...document.querySelectorAll('#tables td code')].slice(0, 3).map(c => [c.textContent, c.getClientRects().length])")
+        page.set_viewport_size({"width": 1000, "height": 900})
+        check("the index shows each app id on one line in a narrow window", len(spans) == 3 and all(n == 1 for _, n in spans), f"{spans}")
         page.screenshot(path=str(shots / "index.png"), full_page=True)
         page.click("#tables a:text-is('dbo.orders')")
         page.wait_for_load_state()
