@@ -14,15 +14,11 @@
 # Exit 0 when every check passed, 1 when one failed, 2 when it could not run.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-BIN=${MSSQL_CDC_BIN:-mssql-cdc}
-if ! BIN=$(command -v "$BIN"); then
-  echo "objstore_test: no mssql-cdc binary (set MSSQL_CDC_BIN)" >&2
-  exit 2
-fi
-export MSSQL_CDC_BIN=$BIN
-t0=$SECONDS
 # shellcheck source=../../workflows/test/venv.sh
 source "$HERE/../../workflows/test/venv.sh"
+find_bin objstore_test || exit 2
+export MSSQL_CDC_BIN=$BIN
+t0=$SECONDS
 ensure_venv "objstore-moto-5.2.5" "moto[server]==5.2.5" "boto3==1.44.8" "azure-storage-blob==12.31.1" || exit 2
 venv_seconds=$INSTALL_SECONDS
 

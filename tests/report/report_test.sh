@@ -14,11 +14,9 @@
 # Exit 0 when every check passed, 1 when one failed, 2 when it could not run.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-BIN=${MSSQL_CDC_BIN:-mssql-cdc}
-if ! BIN=$(command -v "$BIN"); then
-  echo "report_test: no mssql-cdc binary (set MSSQL_CDC_BIN)" >&2
-  exit 2
-fi
+# shellcheck source=../../workflows/test/venv.sh
+source "$HERE/../../workflows/test/venv.sh"
+find_bin report_test || exit 2
 export MSSQL_CDC_BIN=$BIN MSSQL_CDC_LOG=${MSSQL_CDC_LOG:-warn}
 export CHROMIUM=${CHROMIUM:-/usr/bin/chromium}
 t0=$SECONDS
@@ -36,8 +34,6 @@ if [[ ! -x $CHROMIUM ]]; then
   fi
 fi
 chromium_seconds=$((SECONDS - t0))
-# shellcheck source=../../workflows/test/venv.sh
-source "$HERE/../../workflows/test/venv.sh"
 ensure_venv "playwright-1.65.2" "playwright==1.65.2" || exit 2
 code=0
 "$VENV/bin/python" "$HERE/report_test.py" || code=$?

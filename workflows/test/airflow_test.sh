@@ -14,14 +14,10 @@
 # Exit 0 when every check passed, 1 when one failed, 2 when it could not run.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-BIN=${MSSQL_CDC_BIN:-mssql-cdc}
-if ! BIN=$(command -v "$BIN"); then
-  echo "airflow_test: no mssql-cdc binary (set MSSQL_CDC_BIN)" >&2
-  exit 2
-fi
-AIRFLOW_VERSION=${AIRFLOW_VERSION:-3.3.2}
 # shellcheck source=venv.sh
 source "$HERE/venv.sh"
+find_bin airflow_test || exit 2
+AIRFLOW_VERSION=${AIRFLOW_VERSION:-3.3.2}
 ensure_venv "airflow-$AIRFLOW_VERSION" "apache-airflow==$AIRFLOW_VERSION" || exit 2
 
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/mssql-cdc-airflow.XXXXXX")

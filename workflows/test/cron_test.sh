@@ -14,11 +14,9 @@ set -uo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CRON=$HERE/../cron.sh
 BACKFILL=$HERE/../backfill_cron.sh
-BIN=${MSSQL_CDC_BIN:-mssql-cdc}
-if ! BIN=$(command -v "$BIN"); then
-  echo "cron_test: no mssql-cdc binary (set MSSQL_CDC_BIN)" >&2
-  exit 2
-fi
+# shellcheck source=venv.sh
+source "$HERE/venv.sh"
+find_bin cron_test || exit 2
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/mssql-cdc-cron.XXXXXX")
 cleanup() { if [[ ${KEEP:-0} == 1 ]]; then echo "kept $TMP" >&2; else rm -rf "$TMP"; fi; }
 trap cleanup EXIT

@@ -13,15 +13,11 @@
 # Exit 0 when both passed, 1 when one failed, 2 when they could not run.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-BIN=${MSSQL_CDC_BIN:-mssql-cdc}
-if ! BIN=$(command -v "$BIN"); then
-  echo "databricks_test: no mssql-cdc binary (set MSSQL_CDC_BIN)" >&2
-  exit 2
-fi
-export MSSQL_CDC_BIN=$BIN
-SDK=${DATABRICKS_SDK_VERSION:-0.167.0}
 # shellcheck source=venv.sh
 source "$HERE/venv.sh"
+find_bin databricks_test || exit 2
+export MSSQL_CDC_BIN=$BIN
+SDK=${DATABRICKS_SDK_VERSION:-0.167.0}
 ensure_venv "databricks-sdk-$SDK" "databricks-sdk==$SDK" "pytest==8.3.5" || exit 2
 
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/mssql-cdc-databricks.XXXXXX")

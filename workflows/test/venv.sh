@@ -1,4 +1,5 @@
-# Sourced by the orchestrator tests: `ensure_venv NAME REQUIREMENT...` makes
+# Sourced by the shell tests (workflows/test, tests/report, tests/objstore):
+# `find_bin` below finds the binary; `ensure_venv NAME REQUIREMENT...` makes
 # (once) a Python venv for those pinned requirements under the cache dir and
 # sets VENV to it. A venv is reused while its requirement list is unchanged;
 # a changed list, or an install cut halfway, makes it anew.
@@ -11,6 +12,18 @@
 # machine does not reach, so each requirement is pinned here instead, and the
 # versions pip resolved for the rest are written to the venv's freeze.txt.
 # INSTALL_SECONDS is set to how long the install took (0 when reused).
+
+# `find_bin WHO`: BIN is the mssql-cdc binary the test runs (MSSQL_CDC_BIN, a
+# path or a name on PATH; default mssql-cdc) as an absolute path, exported
+# as MSSQL_CDC_BIN too. Without one it says so as WHO and returns 2.
+find_bin() {
+  BIN=${MSSQL_CDC_BIN:-mssql-cdc}
+  if ! BIN=$(command -v "$BIN"); then
+    echo "$1: no mssql-cdc binary (set MSSQL_CDC_BIN)" >&2
+    return 2
+  fi
+  export MSSQL_CDC_BIN=$BIN
+}
 
 ensure_venv() {
   local name=$1
