@@ -28,17 +28,19 @@
 //! And the store itself is asked, not trusted ([`check_conditional_puts`]):
 //! every guarantee of the steps run side by side rests on a commit being
 //! put-if-absent, and nothing in a URL says whether an S3-compatible store
-//! honours `If-None-Match`. Before a step that writes opens its tables, one
-//! object is put twice with the create-only condition under a table's
-//! `_delta_log/`, and a store that accepts the second put is refused unless
-//! the workflow says `target.single_writer = true`. Three requests per store
-//! and call, against the tens a commit takes.
+//! honours `If-None-Match`. Before a step that writes creates or migrates
+//! its tables, one object (`_delta_log/_mssql_cdc_put_check` of a table of
+//! ours, or of an empty folder) is put with the create-only condition, and
+//! again if the first put was accepted; a store that accepts both is
+//! refused unless the workflow says `target.single_writer = true`. One or
+//! two requests per store and call, against the tens a commit takes; the
+//! object stays, so later calls are refused at the first put.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::Mutex;
 
-use deltalake::logstore::object_store::{ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use deltalake::logstore::object_store::{PutMode, PutOptions, PutPayload};
 use deltalake::ObjectStore;
 
 use crate::error::{StepError, StepResult};
@@ -172,6 +174,15 @@ pub fn resolve(options: &BTreeMap<String, String>, base: &Path) -> StepResult<Ha
             }
             None => v.clone(),
         };
+        // The check of the file's values, for a value given by reference:
+        // read only now.
+        let key = k.to_ascii_lowercase();
+        if (key == "aws_conditional_put" || key == "conditional_put") && !value.eq_ignore_ascii_case("etag") {
+            return Err(StepError::Config(format!(
+                "target.storage_options.{k} names a value other than \"etag\": commits to S3 are made safe against a concurrent \
+                 writer only by conditional writes (\"etag\", the default); remove it, or set it to \"etag\""
+            )));
+        }
         out.insert(k.clone(), value);
     }
     Ok(out)
@@ -181,13 +192,14 @@ pub fn resolve(options: &BTreeMap<String, String>, base: &Path) -> StepResult<Ha
 /// authority: a bucket, a container), so a fleet call asks each once.
 static CONDITIONAL_PUTS_SEEN: Mutex<Option<HashSet<String>>> = Mutex::new(None);
 
-/// The name of a probe object: under `_delta_log/`, where a folder whose
-/// only entries are not commits is still "no table yet" to
+/// The probe object: one fixed name under `_delta_log/`, where a folder
+/// whose only entries are not commits is still "no table yet" to
 /// `delta::open_existing`, and which Delta readers skip (not a commit or
-/// checkpoint name). A probe a crash left behind harms nothing.
-fn probe_path() -> deltalake::Path {
-    deltalake::Path::from(format!("_delta_log/_mssql_cdc_put_check_{}.tmp", uuid::Uuid::new_v4().simple()))
-}
+/// checkpoint name). It is left in place, not deleted: an "already exists"
+/// on the first put proves the condition as well as one on the second, so
+/// each store keeps one probe object for good, whatever a call's
+/// credentials may delete and however often steps run.
+const PROBE_PATH: &str = "_delta_log/_mssql_cdc_put_check";
 
 /// Asks the store behind each object-store location (once per bucket or
 /// container, per process) whether it honours a create-only put: the same
@@ -198,12 +210,15 @@ fn probe_path() -> deltalake::Path {
 ///
 /// A store that accepts the second put is refused (a `Config` error, exit 2)
 /// unless `single_writer` is set, which logs a warning instead: the user
-/// says no two steps ever write these tables at once. A store that cannot
-/// be reached is the store's error (as any other step's request would be).
+/// says no two steps ever write these tables at once (such a store is not
+/// remembered, so it is asked again for each workflow). A store that cannot
+/// be reached is the store's error (as any other step's request would be);
+/// one that refuses the write for want of permission is a `Config` error.
 pub async fn check_conditional_puts(
     locations: &[(String, String)],
     storage: &HashMap<String, String>,
     single_writer: bool,
+    checked: &[&str],
 ) -> StepResult<()> {
     for (name, location) in locations {
         // A path is not turned into a URL here: that would create its folder.
@@ -234,17 +249,56 @@ pub async fn check_conditional_puts(
         if CONDITIONAL_PUTS_SEEN.lock().unwrap().get_or_insert_with(HashSet::new).contains(&key) {
             continue;
         }
+        // The probe goes only into a folder that is empty or holds a table
+        // of this program: another's folder gets nothing written (the step
+        // that opens it as a target refuses it). `checked` names the
+        // locations the caller has already found to be so.
+        if !checked.contains(&location.as_str()) {
+            match crate::delta::open_existing(location, storage).await {
+                Ok(None) => {}
+                Ok(Some(t)) if crate::delta::kind_property(&t).is_some() => {}
+                Ok(Some(_)) | Err(StepError::Config(_)) => continue,
+                Err(e) => return Err(e),
+            }
+        }
         let table = deltalake::DeltaTableBuilder::from_url(url.clone())
             .map_err(StepError::delta(location.clone()))?
             .with_storage_options(storage.clone())
             .build()
             .map_err(StepError::delta(location.clone()))?;
         let store = table.object_store();
-        let path = probe_path();
+        let path = deltalake::Path::from(PROBE_PATH);
         let create = || PutOptions { mode: PutMode::Create, ..Default::default() };
-        let store_err = |source: deltalake::ObjectStoreError| StepError::Delta { table: location.clone(), source: deltalake::DeltaTableError::ObjectStore { source } };
-        match store.put_opts(&path, PutPayload::from_static(b"first"), create()).await {
-            Ok(_) => {}
+        let store_err = |source: deltalake::ObjectStoreError| match source {
+            // Credentials that may read but not write (or none at all): a
+            // setting to change, not a call to repeat.
+            e @ (deltalake::ObjectStoreError::PermissionDenied { .. } | deltalake::ObjectStoreError::Unauthenticated { .. }) => {
+                StepError::Config(format!(
+                    "the store of {name} '{location}' refused this program's write ({e}): the credentials must allow writing and \
+                     listing under the target tables' folders"
+                ))
+            }
+            source => StepError::Delta { table: location.clone(), source: deltalake::DeltaTableError::ObjectStore { source } },
+        };
+        let refused = |e: &deltalake::ObjectStoreError| {
+            // The condition held. (S3 and GCS map 412 to AlreadyExists; an
+            // Azure-compatible store answering 412 comes through as
+            // Precondition.)
+            matches!(
+                e,
+                deltalake::ObjectStoreError::AlreadyExists { .. }
+                    | deltalake::ObjectStoreError::Precondition { .. }
+                    | deltalake::ObjectStoreError::NotModified { .. }
+            )
+        };
+        let honoured = match store.put_opts(&path, PutPayload::from_static(b"mssql-cdc put-if-absent probe"), create()).await {
+            // The probe of an earlier call is there, and the store refused to replace it.
+            Err(e) if refused(&e) => true,
+            Ok(_) => match store.put_opts(&path, PutPayload::from_static(b"mssql-cdc put-if-absent probe"), create()).await {
+                Err(e) if refused(&e) => true,
+                Ok(_) | Err(deltalake::ObjectStoreError::NotImplemented { .. }) | Err(deltalake::ObjectStoreError::NotSupported { .. }) => false,
+                Err(e) => return Err(store_err(e)),
+            },
             // S3 with conditional puts turned off (`aws_conditional_put =
             // disabled`, which deltalake-aws also takes from the environment)
             // refuses every create-only put, so every commit would fail:
@@ -256,38 +310,24 @@ pub async fn check_conditional_puts(
                 )));
             }
             Err(e) => return Err(store_err(e)),
-        }
-        let second = store.put_opts(&path, PutPayload::from_static(b"second"), create()).await;
-        // Removed whatever the answer; a failed removal leaves a probe that
-        // harms nothing (see `probe_path`).
-        if let Err(e) = store.delete(&path).await {
-            tracing::warn!("could not remove the put-if-absent probe {path} under {location}: {e}");
-        }
-        match second {
-            // Refused: the condition held. (S3 and GCS map 412 to
-            // AlreadyExists; an Azure-compatible store answering 412 comes
-            // through as Precondition.)
-            Err(
-                deltalake::ObjectStoreError::AlreadyExists { .. }
-                | deltalake::ObjectStoreError::Precondition { .. }
-                | deltalake::ObjectStoreError::NotModified { .. },
-            ) => {}
-            Ok(_) | Err(deltalake::ObjectStoreError::NotImplemented { .. }) | Err(deltalake::ObjectStoreError::NotSupported { .. }) => {
-                let why = format!(
-                    "the store of {name} '{location}' ({store_name}) accepted a second create-only put of the same object: it does not \
-                     honour If-None-Match, so two steps committing to one table at once could overwrite each other's commits \
-                     and lose rows"
-                );
-                if !single_writer {
-                    return Err(StepError::Config(format!(
-                        "{why}. Use a store that honours conditional writes (AWS S3, Azure Blob and ADLS, GCS, MinIO and \
-                         most S3-compatible stores do), or, only if no two steps of any workflow writing these tables ever \
-                         run at the same time (not even `stream` beside `backfill`), set target.single_writer = true"
-                    )));
-                }
-                tracing::warn!("{why}; going on because target.single_writer = true");
+        };
+        if !honoured {
+            let why = format!(
+                "the store of {name} '{location}' ({store_name}) accepted a second create-only put of the same object: it does not \
+                 honour If-None-Match, so two steps committing to one table at once could overwrite each other's commits \
+                 and lose rows"
+            );
+            if !single_writer {
+                return Err(StepError::Config(format!(
+                    "{why}. Use a store that honours conditional writes (AWS S3, Azure Blob and ADLS, GCS, MinIO and \
+                     most S3-compatible stores do), or, only if no two steps of any workflow writing these tables ever \
+                     run at the same time (not even `stream` beside `backfill`), set target.single_writer = true"
+                )));
             }
-            Err(e) => return Err(store_err(e)),
+            tracing::warn!("{why}; going on because target.single_writer = true");
+            // Not remembered: another workflow of this process on the same
+            // store (a fleet) may not have said single_writer.
+            continue;
         }
         CONDITIONAL_PUTS_SEEN.lock().unwrap().get_or_insert_with(HashSet::new).insert(key);
     }
@@ -357,5 +397,17 @@ mod tests {
         assert!(e.contains("missing"), "{e}");
         let e = resolve(&opts(&[("a", "env:MSSQL_CDC_STORAGE_TEST_UNSET")]), dir.path()).unwrap_err().to_string();
         assert!(e.contains("MSSQL_CDC_STORAGE_TEST_UNSET"), "{e}");
+    }
+
+    #[test]
+    fn a_conditional_put_setting_given_by_reference_is_checked_once_read() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("mode"), "disabled\n").unwrap();
+        std::fs::write(dir.path().join("etag"), "ETag\n").unwrap();
+        let file = opts(&[("aws_conditional_put", "file:mode")]);
+        assert!(check(&file).is_ok(), "a reference is read only when resolved");
+        let e = resolve(&file, dir.path()).unwrap_err().to_string();
+        assert!(e.contains("aws_conditional_put") && e.contains("etag") && !e.contains("disabled"), "{e}");
+        assert!(resolve(&opts(&[("AWS_CONDITIONAL_PUT", "file:etag")]), dir.path()).is_ok());
     }
 }

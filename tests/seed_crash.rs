@@ -266,8 +266,9 @@ fn a_seed_cut_after_its_bronze_commit_then_a_chunked_snapshot_completed_the_reru
 /// with the chunked settings opens a chunked snapshot of generation 0. The
 /// seed's rows are removed and the stream is told to call again (exit 75):
 /// the seed's own refusal (exit 2, "run seed --reseed") answered a caller
-/// who had run no seed. Its next call reads the state as it now is, and the
-/// chunked snapshot completes without the seed's rows.
+/// who had run no seed. Its next call reads the state as it now is and
+/// streams from the chunked snapshot's LSN, which completes without the
+/// seed's rows.
 #[test]
 fn a_stream_completing_a_cut_seed_that_loses_the_generation_calls_again() {
     let (_fp, rt) = failpoints_and_runtime();
@@ -289,6 +290,11 @@ fn a_stream_completing_a_cut_seed_that_loses_the_generation_calls_again() {
     assert_eq!(e.exit_code(), 75, "{e}");
     assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), 0, "the seed's rows are removed");
     assert!(facts_events(&rt, &s, "bootstrap").is_empty());
+    // Called again, with the same settings, it goes on: it streams from the
+    // chunked snapshot that holds the generation, and takes no snapshot.
+    let again = rt.block_on(stream_at(s.wf_path.clone())).unwrap();
+    assert!(again.bootstrap.is_none() && again.position.is_some(), "{again:?}");
+    assert_eq!(rt.block_on(s.count("bronze", WHOLE_SNAPSHOT_ROWS)), 0);
     s.write_workflow(CHUNKED);
     common::cli_backfill_until_done(&s);
     rt.block_on(s.stream_until_caught_up());

@@ -218,6 +218,12 @@ pub async fn check_kind_and_migrate(table: &mut DeltaTable, location: &str, kind
     Ok(())
 }
 
+/// The kind of this program's table `table` says it is (its
+/// `mssql_cdc.kind` property); None for a Delta table another program made.
+pub fn kind_property(table: &DeltaTable) -> Option<String> {
+    table.snapshot().ok()?.metadata().configuration().get(PROP_KIND).cloned()
+}
+
 /// Checks that an existing table is of the expected kind and of a schema
 /// version this release knows; returns that version (a reader that writes
 /// nothing checks with this and leaves the migration to the steps).

@@ -190,6 +190,21 @@ impl Context {
         let facts_schema = delta::facts::schema();
         let mut bronze_existing = bronze_existing;
         let mut facts_existing = facts_existing;
+        if access == Access::ReadWrite {
+            // Before anything is written (a table created, a schema
+            // migrated): a commit must be put-if-absent on this store. Bronze
+            // and facts are found above to be empty folders or Delta tables,
+            // and here to be this program's, so the probe may go into them;
+            // the other tables' folders are checked by the probe itself.
+            if let Some(b) = bronze_existing.as_ref() {
+                delta::check_kind(b, &workflow.target.bronze, TableKind::Bronze)?;
+            }
+            if let Some(f) = facts_existing.as_ref() {
+                delta::check_kind(f, &workflow.target.facts, TableKind::Facts)?;
+            }
+            let checked = [workflow.target.bronze.as_str(), workflow.target.facts.as_str()];
+            crate::storage::check_conditional_puts(&workflow.target_tables(), &storage, workflow.target.single_writer, &checked).await?;
+        }
         if let Some(b) = bronze_existing.as_mut() {
             delta::check_kind_and_migrate(b, &workflow.target.bronze, TableKind::Bronze, &bronze_schema).await?;
             identity::check_bronze_belongs(b, &workflow, &table_name, &instance)?;
@@ -222,14 +237,6 @@ impl Context {
                     )));
                 }
             }
-        }
-        if access == Access::ReadWrite {
-            // Before a table is created: a commit must be put-if-absent on
-            // this store. Bronze and facts come first in the list, so on
-            // their store the probe goes to a folder checked above to be ours
-            // or empty; a table on another store gets it in its own folder,
-            // where a leftover probe (a crash) still reads as no table yet.
-            crate::storage::check_conditional_puts(&workflow.target_tables(), &storage, workflow.target.single_writer).await?;
         }
         let (bronze, facts) = match access {
             Access::ReadOnly => (

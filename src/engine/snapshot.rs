@@ -246,7 +246,7 @@ pub async fn complete_committed(ctx: &mut Context, c: &CommittedFull, kind: &str
             tracing::warn!(error = %refusal, "the seed this call was completing lost its generation");
             return Err(StepError::Temporary(format!(
                 "the seed at {} whose rows bronze held for generation {} lost the generation to another step while this call \
-                 completed it, and its rows were removed: call again, the next call goes on from the step that holds the generation",
+                 completed it, and its rows were removed: call again, the next call reads what holds the generation now",
                 c.s, c.generation
             )));
         }

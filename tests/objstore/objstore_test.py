@@ -180,18 +180,23 @@ def end_to_end(store: stores.Store, tmp: Path) -> None:
               f"{len(keys)} keys, none is {first}")
     data_files = [k for k in keys if k.startswith("lake/orders/bronze/") and k.endswith(".parquet")]
     check(f"{store.name}: bronze's data files are on the store", len(data_files) > 0, f"{keys[:20]}")
+    probes = [k for k in keys if "_mssql_cdc_put_check" in k]
+    check(f"{store.name}: the put-if-absent probe left one object, in bronze's log folder",
+          probes == ["lake/orders/bronze/_delta_log/_mssql_cdc_put_check"], f"{probes}")
     local = [p for p in folder.rglob("*") if "_delta_log" in p.parts or p.suffix == ".parquet"]
     check(f"{store.name}: nothing of the tables was written to the local disk", not local, f"{local[:5]}")
 
     # 2. A literal secret: refused before anything is written.
     literal = dict(store.options)
     secret_key = "AWS_SECRET_ACCESS_KEY" if store.kind == "s3" else "AZURE_STORAGE_ACCOUNT_KEY"
-    literal[secret_key] = store.env.get("OBJSTORE_TEST_SECRET", store.env.get("OBJSTORE_TEST_ACCOUNT_KEY"))
+    secret = store.env.get("OBJSTORE_TEST_SECRET", store.env.get("OBJSTORE_TEST_ACCOUNT_KEY"))
+    literal[secret_key] = secret
     wf2 = workflow(folder, store, bucket, "leaky", db, "orders", "lake/leaky/facts", CHUNKED, options=literal)
     code, out, err = cdc(env, "--workflow", str(wf2), "stream")
     message = json.dumps(out) + err
-    check(f"{store.name}: a literal secret in storage_options exits 2, naming the option and env:",
-          code == 2 and secret_key.lower() in message.lower() and "env:" in message, f"exit {code} {out}")
+    check(f"{store.name}: a literal secret in storage_options exits 2, naming the option and env:, never the value",
+          code == 2 and secret_key.lower() in message.lower() and "env:" in message and bool(secret) and secret not in message,
+          f"exit {code} {out}")
     leaked = store.keys(bucket, "lake/leaky/")
     check(f"{store.name}: the refused workflow wrote nothing to the store", not leaked, f"{leaked[:5]}")
 

@@ -22,6 +22,7 @@ find_bin() {
     echo "$1: no mssql-cdc binary (set MSSQL_CDC_BIN)" >&2
     return 2
   fi
+  [[ $BIN == /* ]] || BIN=$PWD/$BIN
   export MSSQL_CDC_BIN=$BIN
 }
 
