@@ -5,7 +5,7 @@
 # 0; 2 and 3 alert (a line on stderr and one to logger) and exit with that
 # code; a taken lock skips the run; call_again is followed; two workflow
 # files with one name in two folders get two locks. A stub `logger` on PATH
-# records the alerts. Needs no venv. Gated: .ci/run does not call it.
+# records the alerts. Needs no venv. .ci/run calls it after the Rust tests.
 #
 #   usage: workflows/test/cron_test.sh
 #   MSSQL_CDC_BIN  the binary (default: mssql-cdc on PATH)

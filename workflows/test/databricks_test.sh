@@ -2,7 +2,7 @@
 # Checks the Databricks example: databricks_job.json against the Jobs API's
 # own types in the databricks-sdk package (databricks_validate.py), and
 # workflows/run_step.py, the runner its tasks call, against the simulator
-# (test_run_step.py, pytest). Gated: .ci/run does not call it. See
+# (test_run_step.py, pytest). .ci/run calls it after the Rust tests. See
 # workflows/README.md.
 #
 #   usage: workflows/test/databricks_test.sh
