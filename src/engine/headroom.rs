@@ -13,14 +13,6 @@
 //! pause read it here, live: the min LSN from the source now, the position
 //! from the Delta tables.
 //!
-//! Why not the position against the server's clock: `now - position` is the
-//! stream's lag, and it turns into headroom only by subtracting it from the
-//! retention, which a read-only login cannot read (below). The min LSN is
-//! what cleanup has actually done, so the difference of the two commit times
-//! needs no guess: cleanup moves the low watermark forward as the server's
-//! clock moves, and reaches the position once that much more time has passed
-//! without the stream reading on.
-//!
 //! What it cannot see: SQL Server does not tell a read-only login the
 //! cleanup job's retention (it lives in `msdb.dbo.cdc_jobs`), so a capture
 //! instance cleanup has not yet trimmed (younger than the retention) reads
