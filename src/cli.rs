@@ -241,6 +241,12 @@ pub fn main() -> i32 {
     // bury its own, so it logs warnings only unless MSSQL_CDC_LOG says otherwise.
     init_logging(if matches!(cli.command, Command::Torture { .. }) { "warn" } else { "mssql_cdc=info,warn" });
     arm_failpoints();
+    if let Err(message) = crate::alloc::check_env() {
+        tracing::error!("{message}");
+        println!("{}", json!({"ok": false, "kind": "config", "exit_code": EXIT_CONFIG, "error": message}));
+        return EXIT_CONFIG;
+    }
+    tracing::debug!(allocator = crate::alloc::name(), c_arena_limit = crate::alloc::c_arena_limit(), "memory allocator");
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {

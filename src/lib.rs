@@ -1,6 +1,7 @@
 //! mssql-cdc: SQL Server change data capture replicated into Delta Lake, as a
 //! durable workflow of idempotent steps. See docs/ARCHITECTURE.md for the map.
 
+pub mod alloc;
 pub mod bench;
 pub mod cli;
 pub mod connect;

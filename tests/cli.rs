@@ -102,6 +102,41 @@ fn target_that_holds_other_files() {
     assert!(!s.path().join("bronze").join("_delta_log").exists(), "bronze must not be created when facts is bad");
 }
 
+/// The binary runs on jemalloc unless MSSQL_CDC_ALLOCATOR=system, a whole
+/// bootstrap and stream on either, and an unknown value is refused with exit 2
+/// before anything is written (a typo must not silently pick the default).
+#[test]
+fn the_allocator_is_jemalloc_or_the_one_asked_for_and_a_typo_is_refused() {
+    let s = Scenario::new(5, "[snapshot]\nbootstrap = true\n");
+    let with = |value: Option<&str>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_mssql-cdc"));
+        c.args(["--workflow", s.wf_path.to_str().unwrap(), "stream"]).env("MSSQL_CDC_LOG", "mssql_cdc=debug,warn").env_remove("MALLOC_ARENA_MAX");
+        match value {
+            Some(v) => c.env("MSSQL_CDC_ALLOCATOR", v),
+            None => c.env_remove("MSSQL_CDC_ALLOCATOR"),
+        };
+        c.output().unwrap()
+    };
+    let out = with(Some("glibc"));
+    let j = last_json(&out);
+    assert_eq!(out.status.code(), Some(2), "{j}");
+    let msg = j["error"].as_str().unwrap();
+    assert!(msg.contains("MSSQL_CDC_ALLOCATOR") && msg.contains("glibc") && msg.contains("`system`"), "{msg}");
+    nothing_written(&s);
+    // glibc, left to C code under jemalloc, gets one arena; two when every
+    // allocation goes through it (`alloc` has the figures).
+    for (value, name, arenas) in [(Some("system"), "system", 2), (None, "jemalloc", 1), (Some("jemalloc"), "jemalloc", 1)] {
+        let out = with(value);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{value:?}: {stderr}");
+        assert!(stderr.contains(&format!("allocator=\"{name}\"")), "{value:?}: {stderr}");
+        assert!(stderr.contains(&format!("c_arena_limit=\"{arenas}\"")), "{value:?}: {stderr}");
+        let j = last_json(&out);
+        assert_eq!(j["step"], "stream");
+        assert_eq!(j["caught_up"], true);
+    }
+}
+
 #[test]
 fn stream_and_status_print_json_and_exit_0() {
     let s = Scenario::new(5, "[snapshot]\nbootstrap = true\n");

@@ -78,7 +78,7 @@ async fn parent(a: &ApplyBenchArgs) -> StepResult<Value> {
     if a.dir.is_none() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
-    Ok(json!({"bench": "apply", "rows": a.rows, "changes": a.changes, "setup": setup, "apply": apply, "reconcile": reconcile, "append_baseline": append}))
+    Ok(json!({"bench": "apply", "rows": a.rows, "changes": a.changes, "setup": setup, "apply": apply, "reconcile": reconcile, "append_baseline": append, "allocator": crate::alloc::name(), "c_arena_limit": crate::alloc::c_arena_limit()}))
 }
 
 fn workflow(dir: &Path) -> StepResult<Workflow> {

@@ -5,7 +5,10 @@
 //! Each measurement runs in a child process of its own (the same binary,
 //! `bench snapshot --child`), so its peak resident set (VmHWM) is its own:
 //! one run with both modes for the throughput figures, then the chunked
-//! mode alone on the table and on a table ten times larger for memory.
+//! mode alone on the table and on a table ten times larger for memory, and
+//! those two memory runs again on glibc's malloc as shipped
+//! (`MSSQL_CDC_ALLOCATOR=system`, glibc's own arena limit), so the default
+//! allocator's gain is a ratio measured in the same run, not a claim.
 //! The simulator's connections are rate-limited per connection and each
 //! query pays a fixed latency, like a production link; the figures are
 //! therefore about the engine's overheads (chunking, planning, waves,
@@ -83,10 +86,21 @@ async fn parent(a: &SnapshotBenchArgs) -> StepResult<Value> {
     let tmp = std::env::temp_dir().join(format!("mssql-cdc-bench-{}", std::process::id()));
     let base = a.dir.clone().unwrap_or_else(|| tmp.clone());
     let exe = std::env::current_exe().map_err(|e| StepError::Internal(format!("cannot find this program: {e}")))?;
-    let run_child = |rows: u64, mode: &str, dir: PathBuf| -> StepResult<Value> {
+    // `glibc_as_shipped`: the child runs on the C library's malloc with its
+    // own default arena limit (eight per core on 64-bit), the comparison the
+    // default allocator is chosen by (`crate::alloc`). Otherwise both
+    // variables are removed, so one a user exported does not skew the default's.
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let run_child = |rows: u64, mode: &str, glibc_as_shipped: bool, dir: PathBuf| -> StepResult<Value> {
         let chunk_rows = a.chunk_rows.unwrap_or((a.rows / 16).max(1));
-        tracing::info!(rows, mode, "bench run starting");
-        let out = std::process::Command::new(&exe)
+        tracing::info!(rows, mode, glibc_as_shipped, "bench run starting");
+        let mut cmd = std::process::Command::new(&exe);
+        if glibc_as_shipped {
+            cmd.env(crate::alloc::ALLOCATOR_VAR, "system").env(crate::alloc::ARENA_VAR, (8 * cores).to_string());
+        } else {
+            cmd.env_remove(crate::alloc::ALLOCATOR_VAR).env_remove(crate::alloc::ARENA_VAR);
+        }
+        let out = cmd
             .args(["bench", "snapshot", "--child", mode])
             .args(["--rows", &rows.to_string(), "--connections", &a.connections.to_string()])
             .args(["--rows-per-s", &a.rows_per_s.to_string(), "--latency-ms", &a.latency_ms.to_string()])
@@ -104,9 +118,21 @@ async fn parent(a: &SnapshotBenchArgs) -> StepResult<Value> {
         }
         Ok(v)
     };
-    let both = run_child(a.rows, "both", base.join("both"))?;
-    let mem = run_child(a.rows, "chunked", base.join("mem1"))?;
-    let mem10 = run_child(a.rows * 10, "chunked", base.join("mem10"))?;
+    let both = run_child(a.rows, "both", false, base.join("both"))?;
+    let mem = run_child(a.rows, "chunked", false, base.join("mem1"))?;
+    let mem10 = run_child(a.rows * 10, "chunked", false, base.join("mem10"))?;
+    // The same two memory runs on glibc as shipped, side by side.
+    let sys = run_child(a.rows, "chunked", true, base.join("sys1"))?;
+    let sys10 = run_child(a.rows * 10, "chunked", true, base.join("sys10"))?;
+    for (run, want) in [(&both, "jemalloc"), (&mem, "jemalloc"), (&mem10, "jemalloc"), (&sys, "system"), (&sys10, "system")] {
+        if run["allocator"] != want {
+            return Err(StepError::Internal(format!("a bench child meant for {want} ran on {}", run["allocator"])));
+        }
+    }
+    let ratio = |big: &Value, small: &Value| match (big["peak_rss_bytes"].as_f64(), small["peak_rss_bytes"].as_f64()) {
+        (Some(b), Some(s)) if s > 0.0 => json!(b / s),
+        _ => Value::Null,
+    };
     if a.dir.is_none() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
@@ -130,7 +156,20 @@ async fn parent(a: &SnapshotBenchArgs) -> StepResult<Value> {
         "wave_fixed_seconds_max": both["wave_fixed_seconds_max"],
         "peak_rss_bytes": mem["peak_rss_bytes"],
         "peak_rss_bytes_10x": mem10["peak_rss_bytes"],
+        "peak_rss_10x_over_1x": ratio(&mem10, &mem),
+        "chunks_10x": mem10["chunks"],
         "chunked_rows_per_s_10x": mem10["chunked_rows_per_s"],
+        "allocator": mem["allocator"],
+        "c_arena_limit": mem["c_arena_limit"],
+        "glibc_as_shipped": {
+            "c_arena_limit": sys["c_arena_limit"],
+            "peak_rss_bytes": sys["peak_rss_bytes"],
+            "peak_rss_bytes_10x": sys10["peak_rss_bytes"],
+            "peak_rss_10x_over_1x": ratio(&sys10, &sys),
+            "chunked_rows_per_s": sys["chunked_rows_per_s"],
+            "chunked_rows_per_s_10x": sys10["chunked_rows_per_s"],
+        },
+        "default_over_glibc_as_shipped_peak_rss_10x": ratio(&mem10, &sys10),
     }))
 }
 
@@ -227,5 +266,7 @@ async fn child(a: &SnapshotBenchArgs, mode: &str) -> StepResult<Value> {
         out["wave_fixed_seconds_max"] = json!(fixed.last());
     }
     out["peak_rss_bytes"] = json!(peak_rss_bytes());
+    out["allocator"] = json!(crate::alloc::name());
+    out["c_arena_limit"] = json!(crate::alloc::c_arena_limit());
     Ok(out)
 }
