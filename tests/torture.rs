@@ -127,9 +127,16 @@ fn forced(what: &str, seeds: std::ops::Range<u64>, overrides: &Overrides, enough
 ///   opened and completed generation 0): every later call of the seed asked
 ///   to be called again; it now removes its rows and exits 2
 ///   (`tests/seed_crash.rs`).
+/// - 190021923 (the bootstrap's seed cut in its race while the stream beside
+///   it took a full snapshot, no seed call after it): the drain called the
+///   seed until it succeeded and judged its correct refusal a failure. A
+///   tester bug, timing-dependent (its replay passed); the drain now judges
+///   the refusal as the schedule does, and
+///   `a_seed_cut_in_its_race_is_refused_in_the_drain_when_the_other_step_won`
+///   makes the schedule every time.
 #[test]
 fn schedules_the_soak_found_pass() {
-    for seed in [10_000_933u64, 20_000_981, 10_001_125, 20_000_761, 20_001_282, 10_001_298, 30_001_859, 110_002_687, 120_010_174, 140_010_510, 150_001_629, 150_012_436] {
+    for seed in [10_000_933u64, 20_000_981, 10_001_125, 20_000_761, 20_001_282, 10_001_298, 30_001_859, 110_002_687, 120_010_174, 140_010_510, 150_001_629, 150_012_436, 190_021_923] {
         let dir = tempfile::tempdir().unwrap();
         torture::run_one_with(seed, 12, Some(env!("CARGO_BIN_EXE_mssql-cdc").into()), dir.path(), &Overrides::default())
             .unwrap_or_else(|e| panic!("schedule {seed} failed: {e}"));
@@ -234,6 +241,17 @@ fn forced_seed_beside_a_stream_or_backfill_has_one_winner() {
     forced("a seed beside a stream or backfill", 8_700_000..8_700_030, &overrides, |t| {
         t.seed_races >= 8 && t.seeds_refused >= 2 && t.seeded > t.seeds_refused
     });
+}
+
+#[test]
+fn a_seed_cut_in_its_race_is_refused_in_the_drain_when_the_other_step_won() {
+    // The race is the schedule's last call event, its seed cut early and the
+    // step beside it whole: the drain's seed call finds generation 0 started
+    // by the other step (or, when the cut came late, the seed done). Before
+    // the drain judged that refusal, such a schedule failed (soak seed
+    // 190021923); every refusal counted here is the drain's.
+    let overrides = Overrides { seed_race: Some(true), seed_race_cut: Some(true), data_loss: Some("none"), ..Default::default() };
+    forced("a cut seed beside a stream or backfill", 8_800_000..8_800_030, &overrides, |t| t.seed_races >= 6 && t.seeds_refused >= 3);
 }
 
 /// A seeded schedule whose bronze lost one row of the seed's copy must fail
