@@ -449,6 +449,76 @@ async fn reconcile_checks_a_seeded_table_and_a_chunked_one() {
     assert_eq!((r.differences, r.counts["MISSING_TARGET"], r.buckets_mismatched), (1, 1, 1), "{:#}", json(&r));
 }
 
+/// A varchar key whose order is the collation's (case-insensitive): a letter
+/// per key, upper or lower case by turn, so code-point order would put every
+/// capital first.
+fn mixed_code(i: i64) -> String {
+    let letter = (b'a' + (i % 26) as u8) as char;
+    let letter = if i % 2 == 1 { letter.to_ascii_uppercase() } else { letter };
+    format!("{letter}{i:03}")
+}
+
+/// While a chunked snapshot is open, silver holds only the chunks of the
+/// waves it applied: a key elsewhere is SNAPSHOT_PENDING and the run is
+/// clean, while a row lost from an applied chunk is still a difference. The
+/// chunks are cut on a case-insensitive varchar key, so a key is placed in
+/// its chunk by the server's order (code-point order would misplace every
+/// capital).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_beside_an_open_chunked_snapshot_holds_its_unapplied_keys_pending() {
+    let rows: Vec<Vec<SqlValue>> = (0..120).map(|i| vec![SqlValue::Str(mixed_code(i)), SqlValue::Int(i)]).collect();
+    let s = other_table(
+        codes_spec(),
+        rows,
+        "[snapshot]\nbootstrap = true\nmode = \"chunked\"\nchunk_rows = 15\nparallelism = 1\ntarget_wave_seconds = 0\n[stream]\nmax_batch_rows = 1000\n[reconcile]\nsample_fraction = 1.0\ncapture_wait_seconds = 0\n",
+    );
+    let columns = codes_spec().columns;
+    // The stream opens the snapshot; two waves are read and applied, the rest not.
+    s.stream_until_caught_up().await;
+    for _ in 0..2 {
+        let mut ctx = s.context().await.unwrap();
+        let r = chunked::backfill(&mut ctx, &BackfillArgs { max_waves: Some(1), ..Default::default() }).await.unwrap();
+        assert!(!r.done, "the snapshot must stay open for this test: {r:?}");
+    }
+    apply(&s).await;
+    let held = silver_rows(&s, &columns, 0).await;
+    assert!(!held.is_empty() && held.len() < 120, "silver holds {} rows: the two waves should hold some, not all", held.len());
+    let r = reconcile(&s).await;
+    let j = json(&r);
+    // Every key silver does not hold is in a range the snapshot has not applied; every one it holds matches.
+    assert!(r.clean && r.differences == 0, "{j:#}");
+    assert_eq!(r.counts["SNAPSHOT_PENDING"], 120 - held.len() as u64, "{j:#}");
+    assert!(r.open_snapshot.is_some() && r.open_snapshot_chunks_applied >= 2, "{j:#}");
+
+    // Rows lost from the applied chunks (every capital silver holds) are differences, not pending.
+    let capitals: Vec<String> = held.iter().map(|(_, row)| row[0].clone()).filter_map(|v| match v {
+        SqlValue::Str(k) if k.starts_with(|c: char| c.is_ascii_uppercase()) => Some(k),
+        _ => None,
+    }).collect();
+    assert!(capitals.len() >= 2, "{capitals:?}");
+    for k in &capitals {
+        delete_from_silver(&s, &format!("code = '{k}'")).await;
+    }
+    let r = reconcile(&s).await;
+    let j = json(&r);
+    assert!(!r.clean, "{j:#}");
+    assert_eq!((r.differences, r.counts["MISSING_TARGET"]), (capitals.len() as u64, capitals.len() as u64), "{j:#}");
+    assert_eq!(r.counts["SNAPSHOT_PENDING"], 120 - held.len() as u64, "{j:#}");
+
+    // Once the snapshot completes and is applied, nothing is pending and the lost rows are back.
+    loop {
+        let mut ctx = s.context().await.unwrap();
+        if chunked::backfill(&mut ctx, &BackfillArgs::default()).await.unwrap().done {
+            break;
+        }
+    }
+    s.stream_until_caught_up().await;
+    apply(&s).await;
+    let r = reconcile(&s).await;
+    assert!(r.clean && r.open_snapshot.is_none() && r.counts["SNAPSHOT_PENDING"] == 0, "{:#}", json(&r));
+    assert_silver_is_the_table(&s, &columns, "after the snapshot completed").await;
+}
+
 /// `status` reads the min LSN (so the headroom) of the instance the stream
 /// is on, not of a newer one it has not reached.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

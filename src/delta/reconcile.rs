@@ -25,7 +25,7 @@ pub static MIGRATIONS: &[Migration] = &[Migration {
 pub struct ReportRow {
     pub app_id: String,
     pub run: i64,
-    /// SUMMARY, MISSING_TARGET, MISSING_SOURCE, RECORD_DIFF, IN_FLIGHT, CHUNK_TILING, CHUNK_ROWS or CHUNK_STAMP.
+    /// SUMMARY, MISSING_TARGET, MISSING_SOURCE, RECORD_DIFF, IN_FLIGHT, SNAPSHOT_PENDING, CHUNK_TILING, CHUNK_ROWS or CHUNK_STAMP.
     pub class: String,
     /// The key as a JSON object (column -> value, a NULL column as null); NULL for summary and chunk rows.
     pub key: Option<serde_json::Value>,
@@ -64,6 +64,7 @@ pub fn column_comment(name: &str) -> String {
         "run" => "The reconcile run (txn version of <app>#reconcile).",
         "class" => "SUMMARY (one per run, counts in detail); MISSING_TARGET (in the source, not silver); MISSING_SOURCE (in silver, not the source); \
                     RECORD_DIFF (both, different values); IN_FLIGHT (a change silver has not applied yet, in bronze or the change table: check again later); \
+                    SNAPSHOT_PENDING (a difference outside the chunks silver has applied of the chunked snapshot open now: not a difference yet); \
                     CHUNK_TILING, CHUNK_ROWS, CHUNK_STAMP (a chunk of the newest chunked snapshot disagrees with its plan or with bronze).",
         "key" => "The key's columns as a JSON object; a NULL key column is null.",
         "bucket" => "Tier 1 bucket the key falls in.",

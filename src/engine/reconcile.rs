@@ -46,9 +46,25 @@
 //! another number of rows than the chunk recorded), `CHUNK_STAMP` (a stamp
 //! below S, or rows stamped otherwise).
 //!
+//! While a chunked snapshot is open, silver is exact only in the ranges of
+//! the chunks it has applied (the waves up to its control row's
+//! `snapshot_wave`); elsewhere it holds what it held before the snapshot
+//! (nothing, for a first one) plus the changes since, and a key there that
+//! differs is `SNAPSHOT_PENDING`, not a difference: the snapshot has yet to
+//! bring it. A key is placed by the columns the chunks are cut on, compared
+//! by the server (`CdcSource::compare_keys`: a string key's chunk is the
+//! collation's question, never the engine's), a binary search over the
+//! applied chunks with one batch of comparisons per step. Keys outside every
+//! applied chunk, also above the last planned one, are pending: those ranges
+//! are read later. A key held twice stays a difference (no snapshot explains
+//! it), and when the chunks are cut on a column a difference's key does not
+//! hold, every difference is pending until the snapshot completes. The
+//! summary names the open snapshot and the chunks applied.
+//!
 //! The report (one summary row, one row per difference) is appended to the
 //! reconcile table with txn `<app>#reconcile`, version = the run. The step
-//! is clean when only IN_FLIGHT remains; otherwise the CLI exits 3.
+//! is clean when only IN_FLIGHT and SNAPSHOT_PENDING remain; otherwise the
+//! CLI exits 3.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -83,16 +99,24 @@ pub const CHUNK_TILING: &str = "CHUNK_TILING";
 pub const CHUNK_ROWS: &str = "CHUNK_ROWS";
 pub const CHUNK_STAMP: &str = "CHUNK_STAMP";
 /// Every class, in report order.
-pub const CLASSES: &[&str] = &[MISSING_TARGET, MISSING_SOURCE, RECORD_DIFF, IN_FLIGHT, CHUNK_TILING, CHUNK_ROWS, CHUNK_STAMP];
+/// A difference in a range the open chunked snapshot has not applied to silver yet.
+pub const SNAPSHOT_PENDING: &str = "SNAPSHOT_PENDING";
+pub const CLASSES: &[&str] = &[MISSING_TARGET, MISSING_SOURCE, RECORD_DIFF, IN_FLIGHT, SNAPSHOT_PENDING, CHUNK_TILING, CHUNK_ROWS, CHUNK_STAMP];
+
+/// Whether a class counts as a difference (the verdict, exit 3): every one
+/// but IN_FLIGHT and SNAPSHOT_PENDING, which only say "not yet".
+pub fn is_difference(class: &str) -> bool {
+    class != IN_FLIGHT && class != SNAPSHOT_PENDING
+}
 
 /// The result of `reconcile`, printed as JSON.
 #[derive(Debug, Clone, Serialize)]
 pub struct ReconcileResult {
     pub step: &'static str,
     pub run: i64,
-    /// No difference but IN_FLIGHT.
+    /// No difference but IN_FLIGHT and SNAPSHOT_PENDING.
     pub clean: bool,
-    /// Differences other than IN_FLIGHT.
+    /// Differences other than IN_FLIGHT and SNAPSHOT_PENDING.
     pub differences: u64,
     pub counts: BTreeMap<String, u64>,
     /// `buckets` (one integer or date key) or `count` (the whole table's row count).
@@ -109,6 +133,10 @@ pub struct ReconcileResult {
     pub source_max_lsn: Option<Lsn>,
     pub chunk_snapshot: Option<Lsn>,
     pub chunks_checked: usize,
+    /// S of the chunked snapshot open now, if one is (its unapplied ranges are SNAPSHOT_PENDING).
+    pub open_snapshot: Option<Lsn>,
+    /// The open snapshot's chunks silver holds.
+    pub open_snapshot_chunks_applied: usize,
     /// The first differences found (class and key).
     pub samples: Vec<Value>,
     pub report: String,
@@ -717,6 +745,125 @@ async fn chunk_checks(ctx: &Context, facts: &[FactRow]) -> StepResult<(Option<Ls
 }
 
 /// The `reconcile` step.
+/// A chunked snapshot open beside silver, as reconcile places keys in it.
+struct OpenSnapshot {
+    s: Lsn,
+    /// The chunks silver holds (the waves up to its control row's), sorted by range.
+    applied: Vec<ChunkPayload>,
+    /// The columns the chunks are cut on.
+    cut: Vec<String>,
+    /// For each of `cut`, its place in a difference's key (`key_cols`);
+    /// None when the key lacks one: nothing can be placed.
+    at: Option<Vec<usize>>,
+}
+
+/// The chunked snapshot open now, if any, with the chunks silver applied
+/// (none when its control row is not applying this snapshot yet).
+/// `key_cols` are the columns of a difference's key: the silver key, or a
+/// heap's every column.
+async fn open_snapshot(ctx: &Context, facts: &[FactRow], control: &crate::delta::control::ControlRow, key_cols: &[ColumnDesc]) -> StepResult<Option<OpenSnapshot>> {
+    let Some(s) = apply::open_chunked(facts) else { return Ok(None) };
+    let upto = control.snapshot_wave.filter(|_| control.open_snapshot_lsn == Some(s));
+    let (cut, applied) = match upto {
+        None => (vec![], vec![]),
+        Some(_) => match apply::heap::chunked_base(ctx, facts, s, upto, apply::heap::Base::Empty).await? {
+            apply::heap::Base::Chunked { keys, read, .. } => (keys, read),
+            _ => return Err(StepError::Internal("a chunked snapshot's base is not chunked".into())),
+        },
+    };
+    let at: Option<Vec<usize>> = cut.iter().map(|c| key_cols.iter().position(|k| k.name.eq_ignore_ascii_case(c))).collect();
+    Ok(Some(OpenSnapshot { s, applied, cut, at }))
+}
+
+/// Marks `SNAPSHOT_PENDING` the keys of `diffs` (MISSING_TARGET,
+/// MISSING_SOURCE, RECORD_DIFF) that lie outside every chunk silver holds of
+/// the open snapshot.
+async fn mark_pending(ctx: &Context, table: &crate::source::TableName, open: Option<&OpenSnapshot>, diffs: &mut [Difference]) -> StepResult<()> {
+    let Some(open) = open else { return Ok(()) };
+    let candidates: Vec<usize> =
+        (0..diffs.len()).filter(|&i| matches!(diffs[i].class, MISSING_TARGET | MISSING_SOURCE | RECORD_DIFF) && diffs[i].key.is_some()).collect();
+    let inside = match (&open.at, open.applied.is_empty()) {
+        (_, true) | (None, _) => vec![false; candidates.len()],
+        (Some(at), false) => {
+            let keys: Vec<Key> = candidates.iter().map(|&i| at.iter().map(|&j| diffs[i].key.as_ref().expect("a candidate has a key")[j].clone()).collect()).collect();
+            let source = &ctx.source;
+            in_chunks(&open.applied, &keys, |pairs| async move { source.compare_keys(table, &open.cut, &pairs).await }).await?
+        }
+    };
+    for (i, inside) in candidates.into_iter().zip(inside) {
+        if !inside {
+            diffs[i].class = SNAPSHOT_PENDING;
+        }
+    }
+    Ok(())
+}
+
+/// Which of `keys` lie in one of `chunks` (sorted by range, `[lo, hi)`, the
+/// one open below holding the keys with a NULL), under the order `compare`
+/// answers for a batch of pairs (the server's). A binary search per key for
+/// the last chunk whose `lo` is at or below it, then one comparison with its
+/// `hi`; each step of all the searches is one call of `compare`.
+pub async fn in_chunks<F, Fut>(chunks: &[ChunkPayload], keys: &[Key], compare: F) -> StepResult<Vec<bool>>
+where
+    F: Fn(Vec<(Key, Key)>) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<std::cmp::Ordering>, SourceError>>,
+{
+    use std::cmp::Ordering::*;
+    let n = chunks.len();
+    let null = |k: &Key| k.iter().any(SqlValue::is_null);
+    let mut out: Vec<bool> = keys.iter().map(|k| null(k) && chunks.first().is_some_and(|c| c.lo.is_none())).collect();
+    // [lo, hi) of the search: the count of chunks whose `lo` is at or below the key lies in it.
+    let mut bounds: Vec<(usize, usize)> = keys.iter().map(|k| if null(k) { (0, 0) } else { (0, n) }).collect();
+    loop {
+        let mut pairs = Vec::new();
+        let mut asked = Vec::new();
+        for (i, b) in bounds.iter_mut().enumerate() {
+            while b.0 < b.1 {
+                let mid = (b.0 + b.1) / 2;
+                match &chunks[mid].lo {
+                    None => b.0 = mid + 1,
+                    Some(lo) => {
+                        pairs.push((lo.clone(), keys[i].clone()));
+                        asked.push((i, mid));
+                        break;
+                    }
+                }
+            }
+        }
+        if pairs.is_empty() {
+            break;
+        }
+        let answers = compare(pairs).await.map_err(StepError::from)?;
+        for ((i, mid), o) in asked.into_iter().zip(answers) {
+            if o == Greater {
+                bounds[i].1 = mid;
+            } else {
+                bounds[i].0 = mid + 1;
+            }
+        }
+    }
+    let mut pairs = Vec::new();
+    let mut asked = Vec::new();
+    for (i, k) in keys.iter().enumerate() {
+        if null(k) || bounds[i].0 == 0 {
+            continue;
+        }
+        match &chunks[bounds[i].0 - 1].hi {
+            None => out[i] = true,
+            Some(hi) => {
+                pairs.push((k.clone(), hi.clone()));
+                asked.push(i);
+            }
+        }
+    }
+    if !pairs.is_empty() {
+        for (i, o) in asked.into_iter().zip(compare(pairs).await.map_err(StepError::from)?) {
+            out[i] = o == Less;
+        }
+    }
+    Ok(out)
+}
+
 pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     let instances = super::switch::follow_stream(ctx).await?;
     // Tier 2 reads the table with the stream's instance's columns; a renamed
@@ -952,8 +1099,11 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         }
         diffs
     };
+    let facts = state::facts_rows(&ctx.facts, &app).await?;
+    let open = open_snapshot(ctx, &facts, &control, if is_heap { &columns } else { &keys }).await?;
     let mut diffs = classify_all(&in_flight);
-    let differing = diffs.iter().filter(|d| d.class != IN_FLIGHT).count();
+    mark_pending(ctx, &table, open.as_ref(), &mut diffs).await?;
+    let differing = diffs.iter().filter(|d| is_difference(d.class)).count();
     if differing > 0 {
         // The capture job runs seconds behind the writers: a transaction the
         // source reads saw may not be in the change table yet, and its keys
@@ -967,7 +1117,8 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
                 in_flight.extend(change_table_keys(ctx, &instances, flight_cols, from, Some(max), filter, id).await?);
                 source_max = Some(max);
                 diffs = classify_all(&in_flight);
-                tracing::info!(%max, differing_before = differing, differing = diffs.iter().filter(|d| d.class != IN_FLIGHT).count(),
+                mark_pending(ctx, &table, open.as_ref(), &mut diffs).await?;
+                tracing::info!(%max, differing_before = differing, differing = diffs.iter().filter(|d| is_difference(d.class)).count(),
                                "the capture job has passed the end of the source reads: their keys were checked against its changes");
             }
             CapturePassed::NotYet { newest } => {
@@ -983,7 +1134,6 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         }
     }
     diffs.extend(repeated);
-    let facts = state::facts_rows(&ctx.facts, &app).await?;
     let (chunk_snapshot, chunks_checked, chunk_diffs) = chunk_checks(ctx, &facts).await?;
     diffs.extend(chunk_diffs);
 
@@ -991,7 +1141,8 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     for d in &diffs {
         *counts.entry(d.class.to_string()).or_default() += 1;
     }
-    let differences = diffs.iter().filter(|d| d.class != IN_FLIGHT).count() as u64;
+    let differences = diffs.iter().filter(|d| is_difference(d.class)).count() as u64;
+    let (open_s, chunks_applied) = open.as_ref().map_or((None, 0), |o| (Some(o.s), o.applied.len()));
     let report_keys: &[ColumnDesc] = if is_heap { &columns } else { &keys };
     let clean = differences == 0;
     let now = Some(Utc::now());
@@ -1007,7 +1158,8 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         class: "SUMMARY".into(),
         detail: Some(json!({"counts": counts, "clean": clean, "tier1": tier1, "buckets": n_buckets, "bucket_width": bucket_width, "buckets_mismatched": n_mismatched,
                             "buckets_compared": ranges.len(), "rows_source": rows_source, "rows_target": rows_target, "rows_compared": rows_compared,
-                            "chunk_snapshot": chunk_snapshot, "chunks_checked": chunks_checked})),
+                            "chunk_snapshot": chunk_snapshot, "chunks_checked": chunks_checked,
+                            "open_snapshot": open_s, "open_snapshot_chunks_applied": chunks_applied})),
         ..header.clone()
     }];
     let samples: Vec<Value> = diffs
@@ -1030,6 +1182,10 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     let meta = json!({"reconcile": {"run": run, "clean": clean, "counts": counts, "applied_lsn": applied}, "app_id": app});
     delta::append_batches(&mut report_table, vec![report::to_batch(&rows)], report::schema(), &Txn::new(format!("{app}#reconcile"), run), meta).await?;
     failpoint!("reconcile.after_report");
+    if let Some(s) = open_s {
+        tracing::info!(%s, chunks_applied, pending = counts.get(SNAPSHOT_PENDING).copied().unwrap_or(0),
+                       "a chunked snapshot is open: keys outside the chunks silver has applied are SNAPSHOT_PENDING, not differences");
+    }
     tracing::info!(run, clean, differences, ?counts, "reconciled silver with the source");
     Ok(ReconcileResult {
         step: "reconcile",
@@ -1049,6 +1205,8 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         source_max_lsn: source_max,
         chunk_snapshot,
         chunks_checked,
+        open_snapshot: open_s,
+        open_snapshot_chunks_applied: chunks_applied,
         samples,
         report: report_loc,
     })
@@ -1057,6 +1215,53 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Chunks of one integer key: [lo, hi) each, None open.
+    fn int_chunks(bounds: &[(Option<i64>, Option<i64>)]) -> Vec<ChunkPayload> {
+        bounds
+            .iter()
+            .enumerate()
+            .map(|(i, (lo, hi))| ChunkPayload {
+                chunk: i as i64,
+                wave: 0,
+                lo: lo.map(|v| vec![SqlValue::Int(v)]),
+                hi: hi.map(|v| vec![SqlValue::Int(v)]),
+                last: false,
+                rows: 0,
+                stamp: Lsn::ZERO,
+                max_lsn: Lsn::ZERO,
+                read_ms: None,
+                read_bytes: None,
+                rounds: 1,
+                bronze_version: None,
+                fence: None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn keys_are_placed_in_the_applied_chunks_by_the_order_compare_answers() {
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let calls = std::cell::Cell::new(0);
+        let cmp = |pairs: Vec<(Key, Key)>| {
+            calls.set(calls.get() + 1);
+            async move { Ok(pairs.iter().map(|(a, b)| crate::types::key_cmp(a, b)).collect()) }
+        };
+        // Applied: the one open below up to 10, [20, 30), [40, 50), and [60, open above).
+        let chunks = int_chunks(&[(None, Some(10)), (Some(20), Some(30)), (Some(40), Some(50)), (Some(60), None)]);
+        let probe = [i64::MIN, 9, 10, 19, 20, 29, 30, 45, 50, 59, 60, i64::MAX];
+        let keys: Vec<Key> = probe.iter().map(|v| vec![SqlValue::Int(*v)]).chain([vec![SqlValue::Null]]).collect();
+        let got = rt.block_on(in_chunks(&chunks, &keys, cmp)).unwrap();
+        let want = [true, true, false, false, true, true, false, true, false, false, true, true, true];
+        assert_eq!(got, want);
+        // A binary search: a few rounds of one batch each, not a call per key.
+        assert!(calls.get() <= 4, "{} calls", calls.get());
+        // Without the chunk open below, a NULL key is in none; no chunk, no key.
+        let tail = int_chunks(&[(Some(20), Some(30))]);
+        let got = rt.block_on(in_chunks(&tail, &[vec![SqlValue::Null], vec![SqlValue::Int(25)], vec![SqlValue::Int(30)]], cmp)).unwrap();
+        assert_eq!(got, [false, true, false]);
+        assert_eq!(rt.block_on(in_chunks(&[], &[vec![SqlValue::Int(1)]], cmp)).unwrap(), [false]);
+    }
     use crate::engine::chunked::PlannedChunk;
 
     fn side(rows: &[(Option<i64>, &str)]) -> Side {

@@ -104,7 +104,7 @@ pub struct ReconcilePoint {
     pub run: i64,
     pub at: Option<DateTime<Utc>>,
     pub clean: Option<bool>,
-    /// Every class but IN_FLIGHT, summed.
+    /// Every class but IN_FLIGHT and SNAPSHOT_PENDING, summed.
     pub differences: u64,
     pub in_flight: u64,
     pub counts: BTreeMap<String, u64>,
@@ -437,7 +437,7 @@ pub fn page(data: &ReportData, generated_at: DateTime<Utc>) -> String {
     if data.reconciles.is_empty() {
         out.push_str(r#"<p class="empty">No reconcile run yet (or the workflow has no silver table).</p>"#);
     } else {
-        out.push_str("<h3>Differences per run (a clean run in green, others in red; IN_FLIGHT is not a difference)</h3>");
+        out.push_str("<h3>Differences per run (a clean run in green, others in red; IN_FLIGHT and SNAPSHOT_PENDING are not differences)</h3>");
         let bars: Vec<(String, f64, String, Option<&'static str>)> = data
             .reconciles
             .iter()
@@ -561,7 +561,7 @@ async fn reconcile_summaries(wf: &Workflow, storage: &std::collections::HashMap<
                 .map(|m| m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_u64()?))).collect())
                 .unwrap_or_default();
             let in_flight = counts.get("IN_FLIGHT").copied().unwrap_or(0);
-            let differences = counts.iter().filter(|(k, _)| k.as_str() != "IN_FLIGHT").map(|(_, n)| n).sum();
+            let differences = counts.iter().filter(|(k, _)| crate::engine::reconcile::is_difference(k)).map(|(_, n)| n).sum();
             Ok(ReconcilePoint { run, at, clean: detail.as_ref().and_then(|d| d.get("clean")).and_then(Value::as_bool), differences, in_flight, counts })
         })
         .collect()

@@ -168,7 +168,7 @@ fn opened_chunked(facts: &[FactRow], s: Lsn) -> bool {
 }
 
 /// The chunks of snapshot `s` the facts record, up to wave `upto` (None: all), with the open's keys.
-async fn chunked_base(ctx: &Context, facts: &[FactRow], s: Lsn, upto: Option<i64>, under: Base) -> StepResult<Base> {
+pub(crate) async fn chunked_base(ctx: &Context, facts: &[FactRow], s: Lsn, upto: Option<i64>, under: Base) -> StepResult<Base> {
     let app = &ctx.workflow.app_id;
     let prows = crate::engine::chunked::plan_rows_if_any(ctx, app, s).await?;
     let mut read = Vec::new();
