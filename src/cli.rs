@@ -100,6 +100,20 @@ pub enum Command {
     /// Compare silver with the source (bucket counts, then row hashes) and append a report;
     /// exit 3 when real differences remain.
     Reconcile,
+    /// Upkeep of the workflow's tables, so a step's cost does not grow with
+    /// history: compacts the small files of facts, plans, control and
+    /// reconcile, vacuums removed files older than the retention, and
+    /// checkpoints every table; reads no source, changes no row.
+    Maintain {
+        /// VACUUM deletes the files of removes at least this many hours old:
+        /// at least 24, and under each table's delta.deletedFileRetentionDuration
+        /// (a week unless set), after which checkpoints forget removed files.
+        #[arg(long, value_name = "HOURS", default_value_t = crate::engine::maintain::DEFAULT_VACUUM_RETENTION_HOURS)]
+        vacuum_retention_hours: f64,
+        /// Compact and checkpoint only; delete no file.
+        #[arg(long)]
+        no_vacuum: bool,
+    },
     /// Drive the embedded SQL Server CDC simulator.
     #[command(subcommand)]
     Sim(crate::sim::cli::SimCommand),
@@ -334,6 +348,7 @@ enum WorkflowStep {
     Seed(crate::engine::seed::SeedArgs),
     Apply,
     Reconcile,
+    Maintain(crate::engine::maintain::MaintainArgs),
     Step(Option<crate::engine::machine::Transition>),
 }
 
@@ -360,6 +375,9 @@ impl WorkflowStep {
             }
             Command::Apply => WorkflowStep::Apply,
             Command::Reconcile => WorkflowStep::Reconcile,
+            Command::Maintain { vacuum_retention_hours, no_vacuum } => {
+                WorkflowStep::Maintain(crate::engine::maintain::MaintainArgs::new(*vacuum_retention_hours, *no_vacuum)?)
+            }
             Command::Step { transition } => WorkflowStep::Step(crate::engine::step::parse(transition)?),
             _ => return Ok(None),
         }))
@@ -375,6 +393,7 @@ impl WorkflowStep {
             WorkflowStep::Seed(_) => "seed",
             WorkflowStep::Apply => "apply",
             WorkflowStep::Reconcile => "reconcile",
+            WorkflowStep::Maintain(_) => "maintain",
             WorkflowStep::Step(_) => "step",
         }
     }
@@ -447,6 +466,7 @@ impl WorkflowStep {
                 let code = if r.clean { EXIT_OK } else { crate::error::EXIT_NEEDS_PERSON };
                 Ok((serde_json::to_value(&r).unwrap_or(Value::Null), code))
             }
+            WorkflowStep::Maintain(args) => Ok((crate::engine::maintain::run(&wf, args).await?, EXIT_OK)),
             WorkflowStep::Step(wanted) => {
                 let mut ctx = Context::open(wf).await?;
                 Ok((crate::engine::step::run(&mut ctx, *wanted).await?, EXIT_OK))
@@ -580,7 +600,7 @@ pub async fn run(cli: Cli) -> Result<(Value, i32), StepError> {
         return Ok((value, code));
     }
     if cli.fleet.is_some() {
-        return Err(StepError::Config("--fleet works with the workflow steps (stream, snapshot, backfill, status, report, seed, apply, reconcile, step)".into()));
+        return Err(StepError::Config("--fleet works with the workflow steps (stream, snapshot, backfill, status, report, seed, apply, reconcile, maintain, step)".into()));
     }
     match cli.command {
         Command::Stream { .. }
@@ -591,6 +611,7 @@ pub async fn run(cli: Cli) -> Result<(Value, i32), StepError> {
         | Command::Seed { .. }
         | Command::Apply
         | Command::Reconcile
+        | Command::Maintain { .. }
         | Command::Step { .. } => unreachable!("workflow steps are run above"),
         Command::Sim(cmd) => {
             let v = tokio::task::spawn_blocking(move || crate::sim::cli::run(cmd))

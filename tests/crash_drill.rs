@@ -66,6 +66,7 @@ async fn every_failpoint_in_process() {
             && !f.starts_with("reconcile.")
             && !f.starts_with("recover.")
             && !f.starts_with("switch.")
+            && !f.starts_with("maintain.")
             && !REPAIR_FAILPOINTS.contains(f)
     }) {
         let wf = if *fp == "stream.after_start" { WF_NO_BOOTSTRAP } else { WF };

@@ -28,6 +28,8 @@ mod layers;
 mod lock_wait;
 #[path = "machine.rs"]
 mod machine;
+#[path = "maintain.rs"]
+mod maintain;
 #[path = "mssql_integration.rs"]
 mod mssql_integration;
 #[path = "orchestration_by_transition.rs"]

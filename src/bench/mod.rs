@@ -15,6 +15,7 @@
 //! commits), not about SQLite's speed.
 
 pub mod apply;
+pub mod history;
 pub mod stream;
 
 use std::path::{Path, PathBuf};
@@ -37,6 +38,8 @@ pub enum BenchCommand {
     Apply(apply::ApplyBenchArgs),
     /// `stream` calls over a backlog: milliseconds per batch as the history grows, and the facts read cached against a SQL scan.
     Stream(stream::StreamBenchArgs),
+    /// `stream` calls with nothing new as a shared facts table's history grows, before and after `maintain`.
+    History(history::HistoryBenchArgs),
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -76,6 +79,7 @@ pub async fn run(cmd: BenchCommand) -> StepResult<Value> {
         },
         BenchCommand::Apply(a) => apply::run(&a).await,
         BenchCommand::Stream(a) => stream::run(&a).await,
+        BenchCommand::History(a) => history::run(&a).await,
     }
 }
 

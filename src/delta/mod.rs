@@ -14,6 +14,7 @@ pub mod control;
 pub mod facts;
 pub mod facts_read;
 pub mod golden;
+pub mod maintain;
 pub mod plans;
 pub mod reconcile;
 pub mod silver;

@@ -13,6 +13,7 @@ pub mod change_order;
 pub mod chunked;
 pub mod coarse;
 pub mod headroom;
+pub mod maintain;
 pub mod identity;
 pub mod machine;
 pub mod plan;
@@ -58,7 +59,9 @@ use crate::workflow::Workflow;
 /// and `apply.before_state` (apply's capture instance picked, before its
 /// facts read); for `tests/seed_crash.rs`, `snapshot.before_repaired_completion`
 /// (a full snapshot or a seed found in bronze without its completion row,
-/// before the row is written).
+/// before the row is written); for `tests/maintain.rs`,
+/// `maintain.before_compact_commit` (a compaction's files written, before
+/// its commit).
 pub const FAILPOINTS: &[&str] = &[
     "snapshot.after_open",
     "snapshot.after_bronze",
@@ -83,6 +86,8 @@ pub const FAILPOINTS: &[&str] = &[
     "apply.after_merge",
     "apply.after_control",
     "reconcile.after_report",
+    "maintain.after_compact",
+    "maintain.after_vacuum",
 ];
 
 /// A failpoint: in tests and crash drills, fails the step here (`return`) or
