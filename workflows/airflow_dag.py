@@ -1,10 +1,15 @@
-"""Three Airflow DAGs that call mssql-cdc one step per task, for every
+"""Four Airflow DAGs that call mssql-cdc one step per task, for every
 workflow file in a folder (one file per table, dynamic task mapping):
 
 - mssql_cdc_stream    every 5 minutes: `stream` per table, nothing else.
 - mssql_cdc_backfill  every 10 minutes: per table, a full bootstrap snapshot
                       when one is due, then one `backfill --max-seconds` call.
 - mssql_cdc_silver    every hour: per table, `apply` then `reconcile`.
+- mssql_cdc_maintain  every day: per table, `maintain` (compaction of the
+                      small files of facts, plans, control and reconcile,
+                      VACUUM past a retention, a checkpoint of every table),
+                      without which each step's read of its state grows
+                      with the table's history.
 
 Why the stream is its own DAG. A chunked snapshot needs every change after
 its S, and the stream is what reads them; CDC cleanup purges change rows once
@@ -49,6 +54,9 @@ Configuration (environment of the workers, or Airflow Variables):
 - MSSQL_CDC_STREAM_CALLS (20): `stream` calls a task makes while call_again.
 - MSSQL_CDC_BACKFILL_SECONDS (480): `backfill --max-seconds`; a call may run
   one wave and one commit past it, so keep it below the DAG's interval.
+- MSSQL_CDC_VACUUM_RETENTION_HOURS (unset: the binary's 120): `maintain
+  --vacuum-retention-hours`; at least 24, and under the tables' own
+  delta.deletedFileRetentionDuration (a week by default).
 
 Written for Airflow 3 (tested with 3.3.2 by workflows/test/airflow_test.sh);
 the fallback imports are Airflow 2.x's names.
@@ -83,6 +91,7 @@ RETRIES = int(os.environ.get("MSSQL_CDC_RETRIES", "5"))
 RETRY_DELAY = timedelta(seconds=int(os.environ.get("MSSQL_CDC_RETRY_DELAY_SECONDS", "60")))
 STREAM_CALLS = int(os.environ.get("MSSQL_CDC_STREAM_CALLS", "20"))
 BACKFILL_SECONDS = int(os.environ.get("MSSQL_CDC_BACKFILL_SECONDS", "480"))
+VACUUM_RETENTION_HOURS = os.environ.get("MSSQL_CDC_VACUUM_RETENTION_HOURS", "")
 START = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 # Every per-table task: retried on exit 75 only (the others raise
@@ -240,8 +249,10 @@ def mssql_cdc_silver():
     def reconcile(applied: dict) -> dict:
         """Compares silver with the table (it reads the whole table). Only
         once silver holds a complete snapshot: while a chunked snapshot is
-        open, silver lacks the chunks not read yet and reconcile would report
-        them (exit 3); before any snapshot it has nothing to compare."""
+        open, reconcile can judge only the chunks silver has applied (it
+        counts the rest SNAPSHOT_PENDING, not as differences), so a read of
+        the whole table would check little; before any snapshot it has
+        nothing to compare."""
         workflow = applied["workflow"]
         _name_instance(workflow)
         state = applied["apply"].get("snapshot_state")
@@ -258,6 +269,28 @@ def mssql_cdc_silver():
     table.expand(workflow=list_workflows())
 
 
+@dag(
+    dag_id="mssql_cdc_maintain",
+    start_date=START,
+    schedule=timedelta(days=1),
+    catchup=False,
+    max_active_runs=1,
+    tags=["mssql-cdc"],
+)
+def mssql_cdc_maintain():
+    @task(**PER_TABLE, max_active_tis_per_dagrun=4)
+    def maintain(workflow: str) -> dict:
+        """The table's upkeep. It changes no row and may run beside every
+        other step (a compaction carries its own txn, so two at once land
+        once). Daily is what the default VACUUM retention is sized for."""
+        _name_instance(workflow)
+        args = ["--vacuum-retention-hours", VACUUM_RETENTION_HOURS] if VACUUM_RETENTION_HOURS else []
+        return run(workflow, "maintain", *args)
+
+    maintain.expand(workflow=list_workflows())
+
+
 stream_dag = mssql_cdc_stream()
 backfill_dag = mssql_cdc_backfill()
 silver_dag = mssql_cdc_silver()
+maintain_dag = mssql_cdc_maintain()

@@ -6,8 +6,8 @@ Python 3.11+ and the binary) and maps the exit code to what the task does.
     run_step.py [--binary PATH] [--calls N] [--retries N] [--retry-delay S]
                 --workflow FILE.toml STEP [STEP ARGS...]
 
-STEP is an mssql-cdc step (stream, backfill, apply, reconcile, status,
-snapshot, ...) with its own arguments after it (`backfill --max-seconds 600`).
+STEP is an mssql-cdc step (stream, backfill, apply, reconcile, maintain,
+status, snapshot, ...) with its own arguments after it (`backfill --max-seconds 600`).
 
 Exit codes (README, "Exit codes"):
 - 0: the step's JSON is printed as the last stdout line. While `stream`
@@ -31,8 +31,9 @@ false alarms (the same as airflow_dag.py's):
   backfill job owns every long read.
 - `reconcile` calls `apply` first (idempotent: nothing to do when bronze has
   nothing new) and compares only when silver holds a complete snapshot:
-  while a chunked snapshot is open silver lacks its unread chunks, and
-  reconcile would report them as differences (exit 3).
+  while a chunked snapshot is open reconcile can judge only the chunks
+  silver has applied (the rest count as SNAPSHOT_PENDING), so its read of
+  the whole table would check little.
 
 Overlaps (README, "Running steps at the same time"): any two calls of one
 workflow may run at once, so a task retried while its first attempt still

@@ -1,4 +1,4 @@
-"""Runs workflows/airflow_dag.py's three DAGs end to end with Airflow's own
+"""Runs workflows/airflow_dag.py's four DAGs end to end with Airflow's own
 dag.test() against the simulator. Started by airflow_test.sh, which sets up
 the venv, AIRFLOW_HOME, the DAGs folder and the metadata database; run with
 that venv's python.
@@ -71,7 +71,7 @@ def state(tis: dict, key: str) -> str:
 
 def main() -> None:
     mod = load_dags()
-    stream_dag, backfill_dag, silver_dag = mod.stream_dag, mod.backfill_dag, mod.silver_dag
+    stream_dag, backfill_dag, silver_dag, maintain_dag = mod.stream_dag, mod.backfill_dag, mod.silver_dag, mod.maintain_dag
     chunked = simlib.Table(ROOT, WF_DIR, "chunked_orders", rows=6000, mode="chunked", chunk_rows=300, seed=1, rows_per_s=2000)
     full = simlib.Table(ROOT, WF_DIR, "full_orders", rows=3000, mode="full", seed=2)
     C, F = "chunked_orders.toml", "full_orders.toml"
@@ -123,6 +123,15 @@ def main() -> None:
         bg.stop()
         tis = run_dag(stream_dag, "caught up")
         check(all(state(tis, f"stream[{n}]") == "success" for n in (C, F)), "stream DAG: both tables stream")
+        # The daily upkeep, before the last silver run: every table's task
+        # succeeds and facts ends compacted (its log holds the compaction's
+        # txn); the silver run and the binary's checks below then run on
+        # the compacted tables.
+        tis = run_dag(maintain_dag, "caught up")
+        check(all(state(tis, f"maintain[{n}]") == "success" for n in (C, F)), "maintain DAG: both tables' upkeep succeeds")
+        for t in (chunked, full):
+            log = "".join(p.read_text() for p in sorted((t.lake / "facts" / "_delta_log").glob("*.json")))
+            check('"appId":"mssql-cdc.maintain.compact"' in log, f"maintain DAG: {t.name}'s facts were compacted")
         tis = run_dag(silver_dag, "caught up")
         check(all(state(tis, f"{s}[{n}]") == "success" for n in (C, F) for s in ("apply", "reconcile")), "silver DAG: apply and reconcile succeed for both tables")
         for t in (chunked, full):
@@ -143,7 +152,7 @@ def main() -> None:
         except mod.AirflowFailException as e:
             msg = str(e)
             check("bad_orders.toml" in msg and "exit 2" in msg and "chunkd" in msg, f"runner: exit 2 raises AirflowFailException naming the file and the error ({msg[:160]}...)")
-        for dag, tasks in ((stream_dag, ["stream"]), (backfill_dag, ["backfill"]), (silver_dag, ["apply", "reconcile"])):
+        for dag, tasks in ((stream_dag, ["stream"]), (backfill_dag, ["backfill"]), (silver_dag, ["apply", "reconcile"]), (maintain_dag, ["maintain"])):
             tis = run_dag(dag, "bad file")
             st, tries = tis.get(f"{tasks[0]}[{B}]", ("missing", 0))
             check(st == "failed" and tries == 1, f"{dag.dag_id}: the bad file's {tasks[0]} fails on its first try, no retry (state {st}, try {tries})")

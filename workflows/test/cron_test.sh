@@ -14,6 +14,7 @@ set -uo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CRON=$HERE/../cron.sh
 BACKFILL=$HERE/../backfill_cron.sh
+MAINTAIN=$HERE/../maintain_cron.sh
 # shellcheck source=venv.sh
 source "$HERE/venv.sh"
 find_bin cron_test || exit 2
@@ -178,7 +179,31 @@ check "cron.sh: the exit-3 alert says exit 3" test $? = 0
 MSSQL_CDC_LOGFILE=$TMP/no/such/dir/x.log run "$CRON" "$WF"
 check "cron.sh: an unwritable MSSQL_CDC_LOGFILE alerts naming it, exit 2" grep -q "cannot write the log file" <<<"$err"
 
-# 9. What the runs left: applied and reconciled by the binary, exit 0.
+# 9. maintain_cron.sh: the daily upkeep compacts facts (one commit with the
+#    compaction's txn in its log), exits 0 and alerts nothing; a bad file
+#    alerts and exits 2; a taken lock skips. Step 10's reconcile then checks
+#    that the compacted tables still drive the stream and silver.
+facts_files() { find "$TMP/a/lake/orders/facts" -maxdepth 1 -name '*.parquet' | wc -l; }
+files_before=$(facts_files)
+run "$MAINTAIN" "$WF"
+check "maintain_cron.sh: exits 0 and alerts nothing" test "$code" = 0 -a -z "$new_alerts"
+check "maintain_cron.sh: facts' $files_before files were compacted (the compaction txn is in facts' log)" \
+  grep -qs '"appId":"mssql-cdc.maintain.compact"' "$TMP"/a/lake/orders/facts/_delta_log/*.json
+check "maintain_cron.sh: the call's JSON is in MSSQL_CDC_LOGFILE" grep -q "maintain $WF exit 0: {" "$MSSQL_CDC_LOGFILE"
+MSSQL_CDC_VACUUM_RETENTION_HOURS=12 run "$MAINTAIN" "$WF"
+check "maintain_cron.sh: a retention under a day alerts naming the flag and exits 2" \
+  test "$code" = 2 -a -n "$new_alerts" -a -n "$(grep -- "--vacuum-retention-hours" <<<"$new_alerts")"
+run "$MAINTAIN" "$TMP/a/bad.toml"
+check "maintain_cron.sh: a bad workflow file alerts and exits 2" test "$code" = 2 -a -n "$new_alerts"
+lock=$(ls "$MSSQL_CDC_LOCK_DIR"/mssql-cdc.maintain.orders.toml.*.lock | head -n 1)
+size=$(stat -c %s "$MSSQL_CDC_LOGFILE")
+exec 8>"$lock"
+flock -n 8
+run "$MAINTAIN" "$WF"
+check "maintain_cron.sh: a run that finds the lock taken exits 0 and calls nothing" test "$code" = 0 -a "$(stat -c %s "$MSSQL_CDC_LOGFILE")" = "$size"
+exec 8>&-
+
+# 10. What the runs left: applied and reconciled by the binary, exit 0.
 for wf in "$WF" "$TMP/b/orders.toml" "$TMP/a/busy.toml"; do
   step "$wf" stream >/dev/null
   step "$wf" apply >/dev/null

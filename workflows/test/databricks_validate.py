@@ -119,7 +119,7 @@ def call_problems(where: str, params: list[str]) -> list[str]:
         a = run_step.parse_args(filled)
     except SystemExit:
         return [f"{where}: run_step.py refuses its parameters {params}"]
-    steps = {"stream", "snapshot", "backfill", "status", "apply", "reconcile", "seed"}
+    steps = {"stream", "snapshot", "backfill", "status", "apply", "reconcile", "seed", "maintain"}
     if a.step not in steps:
         return [f"{where}: '{a.step}' is not an mssql-cdc step"]
     if BIN:
@@ -140,13 +140,13 @@ def main() -> None:
         w = wiring_problems(name, job)
         check(not w, f"{name}: tasks, parameters and run_step.py calls are consistent" + (f": {w}" if w else ""))
     stream = doc["jobs"]["stream"]
-    steps = [a for t, _ in all_tasks(stream) if "spark_python_task" in t for a in t["spark_python_task"]["parameters"] if a in {"stream", "backfill", "apply", "reconcile", "snapshot"}]
+    steps = [a for t, _ in all_tasks(stream) if "spark_python_task" in t for a in t["spark_python_task"]["parameters"] if a in {"stream", "backfill", "apply", "reconcile", "snapshot", "maintain"}]
     check(steps == ["stream"], f"stream: the stream job runs the stream step and nothing else ({steps})")
     check("schedule" in stream or "continuous" in stream, "stream: on a schedule (or continuous) of its own")
     everything = [a for job in doc["jobs"].values() for t, _ in all_tasks(job) if "spark_python_task" in t for a in t["spark_python_task"]["parameters"]]
-    for step in ("stream", "backfill", "apply", "reconcile"):
+    for step in ("stream", "backfill", "apply", "reconcile", "maintain"):
         check(step in everything, f"some job runs {step}")
-    check(all("for_each_task" in t for n in ("stream", "backfill", "silver") for t in doc["jobs"][n]["tasks"]), "stream, backfill and silver go over the tables with a for-each task")
+    check(all("for_each_task" in t for n in ("stream", "backfill", "silver", "maintain") for t in doc["jobs"][n]["tasks"]), "stream, backfill, silver and maintain go over the tables with a for-each task")
     retries = [t.get("max_retries", 0) for job in doc["jobs"].values() for t, _ in all_tasks(job)]
     check(all(r == 0 for r in retries), "no task is retried by Databricks (run_step.py retries exit 75 itself; 2 and 3 must not be retried)")
     run_jobs = [t["run_job_task"]["job_id"] for t, _ in all_tasks(doc["jobs"]["silver"]) if "run_job_task" in t]

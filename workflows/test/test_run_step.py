@@ -73,6 +73,12 @@ def test_the_jobs_steps_bring_a_chunked_and_a_full_table_to_a_clean_reconcile(ta
     for t in (chunked, full):
         code, out, err = run_step(t.workflow, "stream")
         assert code == 0 and out["caught_up"] is True, (out, err)
+        # The maintain job: facts ends compacted, and the steps after it
+        # (apply, reconcile) run on the compacted tables.
+        code, out, err = run_step(t.workflow, "maintain", "--vacuum-retention-hours", "120")
+        assert code == 0, (out, err)
+        log = "".join(p.read_text() for p in sorted((t.lake / "facts" / "_delta_log").glob("*.json")))
+        assert '"appId":"mssql-cdc.maintain.compact"' in log, f"{t.name}'s facts were not compacted: {out}"
         code, out, err = run_step(t.workflow, "apply")
         assert code == 0 and out["snapshot_state"] == "complete", (out, err)
         code, out, err = run_step(t.workflow, "reconcile")
