@@ -217,8 +217,14 @@ impl Default for SnapshotOptions {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ReconcileOptions {
-    /// Tier 1 buckets over one integer key.
+    /// Tier 1 buckets over one integer or date key, at least (more when the
+    /// table needs them to keep a bucket near `bucket_rows`).
     pub buckets: u32,
+    /// The most rows of one side tier 2 holds at once: an integer or date
+    /// key gets buckets of about this size, and a larger range (any other
+    /// key's whole table, a heap) is compared by hash partitions in passes
+    /// of this many rows. Memory follows it: a few hundred bytes a row.
+    pub bucket_rows: u64,
     /// The share of tier 1's matching buckets that tier 2 still compares row by row (0 to 1).
     pub sample_fraction: f64,
     /// The most difference rows one run writes to the report (the summary counts them all).
@@ -231,7 +237,7 @@ pub struct ReconcileOptions {
 
 impl Default for ReconcileOptions {
     fn default() -> Self {
-        ReconcileOptions { buckets: 64, sample_fraction: 0.1, max_report_rows: 10_000, capture_wait_seconds: 30 }
+        ReconcileOptions { buckets: 64, bucket_rows: 1_000_000, sample_fraction: 0.1, max_report_rows: 10_000, capture_wait_seconds: 30 }
     }
 }
 
@@ -324,6 +330,9 @@ impl Workflow {
         }
         if self.reconcile.buckets == 0 || self.reconcile.buckets > 1_000_000 {
             return bad(format!("reconcile.buckets is {}: use 1 to 1000000", self.reconcile.buckets));
+        }
+        if self.reconcile.bucket_rows == 0 {
+            return bad("reconcile.bucket_rows is 0: use at least 1 (the most rows of a side tier 2 holds at once; 1000000 by default)".to_string());
         }
         if self.reconcile.capture_wait_seconds > 3600 {
             return bad(format!("reconcile.capture_wait_seconds is {}: use 0 to 3600", self.reconcile.capture_wait_seconds));

@@ -39,7 +39,7 @@ async fn rows_of(location: &str) -> BTreeMap<String, usize> {
 }
 
 /// Every table of the workflow that exists: (name, location, rows).
-async fn all_rows(s: &Scenario) -> Vec<(&'static str, String, BTreeMap<String, usize>)> {
+async fn all_rows(s: &Scenario) -> TableRows {
     let mut out = Vec::new();
     for (name, location, _) in maintain::tables_of(&s.workflow()) {
         if delta::open_existing(&location, &Default::default()).await.unwrap().is_some() {
@@ -48,6 +48,18 @@ async fn all_rows(s: &Scenario) -> Vec<(&'static str, String, BTreeMap<String, u
         }
     }
     out
+}
+
+type TableRows = Vec<(&'static str, String, BTreeMap<String, usize>)>;
+
+/// Every table holds the same multiset of rows, every column, in `after`
+/// as in `before`, and the same tables exist.
+fn assert_same_rows(before: &TableRows, after: &TableRows, what: &str) {
+    let names = |t: &TableRows| t.iter().map(|(n, _, _)| *n).collect::<Vec<_>>();
+    assert_eq!(names(before), names(after), "the tables that exist changed {what}");
+    for ((name, _, a), (_, _, b)) in before.iter().zip(after) {
+        assert_eq!(a, b, "{name}'s rows changed {what}");
+    }
 }
 
 fn location(s: &Scenario, name: &str) -> String {
@@ -120,9 +132,7 @@ fn maintain_compacts_the_append_only_tables_and_changes_no_row() {
     }
     // Every table holds the same rows, every column, as before.
     let after = rt.block_on(all_rows(&s));
-    for ((name, _, a), (_, _, b)) in before.iter().zip(&after) {
-        assert_eq!(a, b, "{name}'s rows changed in maintain");
-    }
+    assert_same_rows(&before, &after, "in maintain");
     // Each table has a checkpoint at its newest version.
     for (name, location, _) in &after {
         let log = std::path::Path::new(location).join("_delta_log");
@@ -156,8 +166,8 @@ fn two_maintains_at_once_compact_once() {
         assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     }
     let after = rt.block_on(all_rows(&s));
-    for ((name, location, a), (_, _, b)) in before.iter().zip(&after) {
-        assert_eq!(a, b, "{name}'s rows changed when two maintains ran at once");
+    assert_same_rows(&before, &after, "when two maintains ran at once");
+    for (name, location, _) in &after {
         if ["facts", "plans", "control", "reconcile"].contains(name) {
             assert_eq!(rt.block_on(compactions(location)), Some(1), "{name}: exactly one compaction lands");
         }
@@ -206,9 +216,7 @@ fn a_crash_in_maintain_is_repaired_by_the_next_call() {
         let j = ok(&s, &["maintain"]);
         assert_eq!(table_json(&j, "facts")["files_after"], 1, "{j:#}");
         let after = rt.block_on(all_rows(&s));
-        for ((name, _, a), (_, _, b)) in before.iter().zip(&after) {
-            assert_eq!(a, b, "{name}'s rows changed across a crash at {fp}");
-        }
+        assert_same_rows(&before, &after, &format!("across a crash at {fp}"));
         history(&mut s, 1);
     }
     drop(rt);
@@ -242,9 +250,7 @@ async fn vacuum_deletes_the_compacted_files_after_the_retention() {
     assert_eq!(table_json(&j, "facts")["vacuum"]["files_deleted"], compacted as u64, "{j:#}");
     assert_eq!(on_disk(&facts), files + 1 - compacted);
     let after = all_rows(&s).await;
-    for ((name, _, a), (_, _, b)) in before.iter().zip(&after) {
-        assert_eq!(a, b, "{name}'s rows changed in VACUUM");
-    }
+    assert_same_rows(&before, &after, "in VACUUM");
     tokio::task::block_in_place(|| finish(&mut s));
 }
 

@@ -236,6 +236,85 @@ async fn a_varchar_key_is_counted_whole_in_tier_one() {
     assert_eq!((r.samples[0]["class"].as_str(), r.samples[0]["key"]["code"].as_str()), (Some("MISSING_TARGET"), Some("c-017")), "{j:#}");
 }
 
+/// A varchar-keyed table of 600 rows with `reconcile.bucket_rows = 50`:
+/// tier 2 never holds the whole table. Clean, the hash partitions' counts
+/// and checksums match and no row is held. With silver damaged behind the
+/// engine's back (three rows deleted, two values changed, one row held
+/// twice) exactly those keys are reported, each with its class, and no pass
+/// held more than 50 rows of a side: the old tier 2 held all 1,200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_string_key_table_larger_than_bucket_rows_is_compared_in_hash_partitions() {
+    let rows: Vec<Vec<SqlValue>> = (0..600).map(|i| vec![SqlValue::Str(format!("c-{i:04}")), SqlValue::Int(i)]).collect();
+    let s = other_table(codes_spec(), rows, "[snapshot]\nbootstrap = true\nmode = \"full\"\n[reconcile]\nsample_fraction = 1.0\nbucket_rows = 50\n");
+    let columns = codes_spec().columns;
+    s.stream_until_caught_up().await;
+    apply(&s).await;
+    assert_silver_is_the_table(&s, &columns, "after the bootstrap").await;
+    let r = reconcile(&s).await;
+    let j = json(&r);
+    assert!(r.clean, "{j:#}");
+    assert_eq!((r.tier1, r.buckets_compared, r.rows_source, r.rows_target), ("count", 1, 600, 600), "{j:#}");
+    assert!(r.partitions >= 12, "600 rows at 50 a pass are cut into partitions: {j:#}");
+    assert_eq!((r.partitions_mismatched, r.passes, r.rows_held_max, r.rows_compared), (0, 0, 0, 0), "clean: no partition is read again: {j:#}");
+
+    for code in ["c-0017", "c-0311", "c-0598"] {
+        delete_from_silver(&s, &format!("code = '{code}'")).await;
+    }
+    let t = delta::open_existing(&silver_loc(&s), &Default::default()).await.unwrap().unwrap();
+    let (t, m) = t.update().with_predicate("code = 'c-0100' OR code = 'c-0444'").with_update("qty", "-1").await.unwrap();
+    assert_eq!(m.num_updated_rows, 2);
+    // A second copy of c-0250 in silver: a hash map keyed on the key would hide it.
+    let mut t = t;
+    let copy: Vec<_> = delta::query(&t, "SELECT * FROM t WHERE code = 'c-0250'").await.unwrap().iter().map(|b| delta::plain_types(b).unwrap()).collect();
+    assert_eq!(copy.iter().map(|b| b.num_rows()).sum::<usize>(), 1);
+    delta::append_untracked(&mut t, copy, serde_json::json!({"test": "a second copy of a key"})).await.unwrap();
+
+    let r = reconcile(&s).await;
+    let j = json(&r);
+    assert!(!r.clean, "{j:#}");
+    assert_eq!((r.rows_source, r.rows_target), (600, 598), "{j:#}");
+    let mut found: Vec<(String, String)> =
+        r.samples.iter().map(|d| (d["class"].as_str().unwrap().to_string(), d["key"]["code"].as_str().unwrap().to_string())).collect();
+    found.sort();
+    let mut want: Vec<(String, String)> = [
+        ("MISSING_TARGET", "c-0017"),
+        ("MISSING_TARGET", "c-0311"),
+        ("MISSING_TARGET", "c-0598"),
+        ("RECORD_DIFF", "c-0100"),
+        ("RECORD_DIFF", "c-0444"),
+        ("MISSING_SOURCE", "c-0250"),
+    ]
+    .iter()
+    .map(|(c, k)| (c.to_string(), k.to_string()))
+    .collect();
+    want.sort();
+    assert_eq!(found, want, "{j:#}");
+    assert_eq!(r.differences, 6, "{j:#}");
+    assert!(r.partitions_mismatched >= 1 && r.partitions_mismatched <= 6, "only the damaged partitions are read again: {j:#}");
+    assert!(r.passes >= 1, "{j:#}");
+    assert!(r.rows_held_max > 0 && r.rows_held_max <= 100, "a pass holds at most bucket_rows rows of each side: {j:#}");
+    assert!(r.rows_compared < 600, "only the mismatched partitions' rows are compared row by row: {j:#}");
+}
+
+/// An integer key gets enough tier 1 buckets for `bucket_rows` (300 rows at
+/// 20 a bucket, though `buckets` asks for 4), and tier 2 holds one bucket at
+/// a time: with every bucket sampled, no pass holds more than a bucket's
+/// rows of each side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_integer_key_gets_buckets_of_bucket_rows_and_tier_two_holds_one_at_a_time() {
+    let s = Scenario::new(300, "silver = \"silver\"\n[snapshot]\nbootstrap = true\nmode = \"full\"\n[reconcile]\nbuckets = 4\nbucket_rows = 20\nsample_fraction = 1.0\n");
+    s.stream_until_caught_up().await;
+    apply(&s).await;
+    let r = reconcile(&s).await;
+    let j = json(&r);
+    assert!(r.clean, "{j:#}");
+    assert_eq!(r.tier1, "buckets", "{j:#}");
+    assert!(r.buckets >= 15, "300 rows at 20 a bucket: {j:#}");
+    assert_eq!(r.passes as usize, r.buckets_compared, "one pass a bucket: {j:#}");
+    assert_eq!(r.rows_compared, 300, "{j:#}");
+    assert!(r.rows_held_max <= 2 * 25, "one bucket's rows of each side at a time, not the {} of the whole table: {j:#}", 2 * 300);
+}
+
 /// Lag pending on both sides of a capture-instance switch: the change table
 /// is read as the stream reads it, the older instance up to the newer one's
 /// start and the newer one from there, key columns only; every changed key

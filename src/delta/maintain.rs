@@ -30,7 +30,7 @@ use std::sync::Arc;
 use deltalake::arrow::array::{new_null_array, ArrayRef};
 use deltalake::arrow::datatypes::SchemaRef;
 use deltalake::arrow::record_batch::RecordBatch;
-use deltalake::kernel::transaction::{CommitBuilder, CommitProperties};
+use deltalake::kernel::transaction::CommitBuilder;
 use deltalake::kernel::{Action, Transaction};
 use deltalake::logstore::object_store::ObjectStoreExt;
 use deltalake::parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
@@ -143,9 +143,7 @@ where
         before_commit()?;
 
         let metadata = json!({"maintain": "compact", "files_compacted": files_compacted, "files_written": files_written, "rows": rows});
-        let props = CommitProperties::default()
-            .with_metadata([("userMetadata".to_string(), json!(metadata.to_string())), ("mssql_cdc".to_string(), metadata)])
-            .with_application_transaction(Transaction::new(COMPACTION_APP_ID, version));
+        let props = super::metadata_commit_properties(metadata).with_application_transaction(Transaction::new(COMPACTION_APP_ID, version));
         let mut actions: Vec<Action> = adds.into_iter().map(Action::Add).collect();
         actions.extend(removes);
         let operation = DeltaOperation::Optimize { predicate: None, target_size: DATA_FILE_TARGET_BYTES as i64 };
@@ -217,7 +215,7 @@ pub async fn vacuum(table: &mut DeltaTable, retention: chrono::Duration, now_ms:
     let label = table.table_url().to_string();
     table.update_state().await.map_err(StepError::delta(&label))?;
     let metadata = json!({"maintain": "vacuum", "retention_hours": retention.num_hours()});
-    let props = CommitProperties::default().with_metadata([("userMetadata".to_string(), json!(metadata.to_string())), ("mssql_cdc".to_string(), metadata)]);
+    let props = super::metadata_commit_properties(metadata);
     // The retention is below the table's deletedFileRetentionDuration on
     // purpose (engine::maintain checks it is under it and at least a day),
     // so delta-rs's check that it is at least that property is turned off.

@@ -615,12 +615,16 @@ async fn applied(table: &DeltaTable, txn: &Txn) -> StepResult<Option<i64>> {
     Ok(txn_version(table, &txn.app_id).await?.filter(|found| *found >= txn.version))
 }
 
-/// Commit properties of a step's commit: its metadata (also as Delta's
-/// userMetadata) and its txn.
+/// Commit properties that carry `metadata` twice: as an object under
+/// `mssql_cdc` (what the engine reads back) and as text in Delta's own
+/// `userMetadata` (what Spark's DESCRIBE HISTORY shows a person).
+pub(crate) fn metadata_commit_properties(metadata: Value) -> CommitProperties {
+    CommitProperties::default().with_metadata([("userMetadata".to_string(), json!(metadata.to_string())), ("mssql_cdc".to_string(), metadata)])
+}
+
+/// Commit properties of a step's commit: its metadata and its txn.
 pub(crate) fn step_commit_properties(txn: &Txn, metadata: Value) -> CommitProperties {
-    CommitProperties::default()
-        .with_metadata([("userMetadata".to_string(), json!(metadata.to_string())), ("mssql_cdc".to_string(), metadata)])
-        .with_application_transaction(Transaction::new(&txn.app_id, txn.version))
+    metadata_commit_properties(metadata).with_application_transaction(Transaction::new(&txn.app_id, txn.version))
 }
 
 /// After a failed commit: a concurrent writer may have committed the same
@@ -803,8 +807,7 @@ pub async fn remove_files_of_commit(table: &mut DeltaTable, version: i64, metada
             snapshot.log_data().iter().filter(|f| held.contains(f.path().as_ref())).map(|f| deltalake::kernel::Action::Remove(f.remove_action(true))).collect()
         };
         let n = removes.len();
-        let props = CommitProperties::default()
-            .with_metadata([("userMetadata".to_string(), json!(metadata.to_string())), ("mssql_cdc".to_string(), metadata.clone())]);
+        let props = metadata_commit_properties(metadata.clone());
         let result = {
             let snapshot = table.snapshot().map_err(StepError::delta(&label))?;
             CommitBuilder::from(props).with_actions(removes).build(Some(snapshot), table.log_store(), DeltaOperation::Delete { predicate: None }).await
@@ -827,10 +830,7 @@ pub async fn remove_files_of_commit(table: &mut DeltaTable, version: i64, metada
 pub async fn append_untracked(table: &mut DeltaTable, batches: Vec<RecordBatch>, metadata: Value) -> StepResult<()> {
     let label = table.table_url().to_string();
     table.update_state().await.map_err(StepError::delta(&label))?;
-    let props = CommitProperties::default().with_metadata([
-        ("userMetadata".to_string(), json!(metadata.to_string())),
-        ("mssql_cdc".to_string(), metadata.clone()),
-    ]);
+    let props = metadata_commit_properties(metadata);
     let mut writer = RecordBatchWriter::for_table(table).map_err(StepError::delta(&label))?.with_commit_properties(props);
     for b in batches {
         writer.write(b).await.map_err(StepError::delta(&label))?;
