@@ -16,6 +16,7 @@
 
 pub mod apply;
 pub mod history;
+pub mod reconcile;
 pub mod stream;
 
 use std::path::{Path, PathBuf};
@@ -40,6 +41,8 @@ pub enum BenchCommand {
     Stream(stream::StreamBenchArgs),
     /// `stream` calls with nothing new as a shared facts table's history grows, before and after `maintain`.
     History(history::HistoryBenchArgs),
+    /// `reconcile` of an integer and a composite string key, clean and damaged, at N and 10 N rows: rows/s and peak memory.
+    Reconcile(reconcile::ReconcileBenchArgs),
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -80,6 +83,7 @@ pub async fn run(cmd: BenchCommand) -> StepResult<Value> {
         BenchCommand::Apply(a) => apply::run(&a).await,
         BenchCommand::Stream(a) => stream::run(&a).await,
         BenchCommand::History(a) => history::run(&a).await,
+        BenchCommand::Reconcile(a) => reconcile::run(&a).await,
     }
 }
 

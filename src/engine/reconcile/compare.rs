@@ -13,6 +13,8 @@
 //!   a heap's row is placed by its row hash, so equal rows meet. Partitions
 //!   whose count or checksum differ are then read again, as many at a time
 //!   as fit in `bucket_rows`, and only their rows are held and classified.
+//!   Partitions hold about 64 rows (at most 2^20 of them), so differences
+//!   spread over a large table touch few rows beside themselves.
 //!   The checksum covers every column, so a partition that matches holds no
 //!   difference (up to a 64-bit collision), and no sample is needed.
 //!
@@ -31,7 +33,7 @@
 //! the repeated keys apart): IN_FLIGHT needs the change table read after
 //! every source read, so the caller labels them once all reads are done.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 
 use deltalake::arrow::array::{Array, Int64Array};
 use deltalake::arrow::record_batch::RecordBatch;
@@ -39,7 +41,7 @@ use deltalake::DeltaTable;
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
 
-use super::{classify, classify_heap, repeated_keys, row_hash, Counts, Difference, Side};
+use super::rows::{self, classify, classify_heap, repeated_keys, row_hash, Counts, Difference, Side};
 use crate::delta;
 use crate::engine::apply::ident;
 use crate::engine::rebuild::key_text;
@@ -94,12 +96,16 @@ fn key_word(key_text: &str) -> u64 {
 }
 
 /// How many hash partitions a range of `rows` rows is cut into: a power of
-/// two, about four per `bucket_rows`, so a pass of whole partitions fills
-/// `bucket_rows` closely. At most 2^20 (48 bytes each per side).
-pub(super) fn partition_count(rows: u64, bucket_rows: u64) -> u64 {
-    let want = rows.saturating_mul(4).div_ceil(bucket_rows.max(1)).max(2);
-    want.next_power_of_two().min(1 << 20)
+/// two, about 64 rows each, at most 2^20 (32 MB of summaries for both
+/// sides). Small partitions keep the rows read again small: differences
+/// spread over the table touch as many partitions as there are differences,
+/// and a pass re-reads the range for every `bucket_rows` rows they hold.
+pub(super) fn partition_count(rows: u64) -> u64 {
+    rows.div_ceil(ROWS_PER_PARTITION).max(2).next_power_of_two().min(1 << 20)
 }
+
+/// The rows a hash partition holds, about.
+const ROWS_PER_PARTITION: u64 = 64;
 
 /// Groups the mismatched partitions (with their larger side's rows) into
 /// passes of at most `bucket_rows` rows each; a partition larger than that
@@ -254,7 +260,7 @@ impl Compare<'_> {
     /// Reads silver's rows under `filter` (a SQL predicate), each to `each`;
     /// a heap's row with its `_count`.
     async fn read_silver(&self, filter: &str, mut each: impl FnMut(Row)) -> StepResult<()> {
-        let mut cols = super::columns_silver_holds(self.silver, self.columns)?;
+        let mut cols = rows::columns_silver_holds(self.silver, self.columns)?;
         if self.heap {
             cols = self.columns.iter().map(|c| ident(&c.name)).collect();
             cols.push(ident(crate::delta::silver::COUNT));
@@ -263,7 +269,7 @@ impl Compare<'_> {
         let mut stream = delta::query_stream(self.silver, &sql).await?;
         while let Some(b) = stream.next().await {
             let b = delta::plain_types(&b.map_err(|e| StepError::Temporary(format!("reading silver: {e}")))?)?;
-            let counts: Option<&Int64Array> = if self.heap { Some(super::i64_col(&b, self.columns.len())?) } else { None };
+            let counts: Option<&Int64Array> = if self.heap { Some(rows::i64_col(&b, self.columns.len())?) } else { None };
             for (r, values) in batch_values(&b, self.columns, false).into_iter().enumerate() {
                 let n = counts.map_or(1, |c| if c.is_null(r) { 0 } else { c.value(r) });
                 each(self.row(values, n));
@@ -278,31 +284,29 @@ impl Compare<'_> {
         if expected_rows <= self.bucket_rows {
             return self.pass(bucket, range, silver_filter, None, out).await;
         }
-        let count = partition_count(expected_rows, self.bucket_rows);
-        let mut source: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
-        let mut target: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
+        let count = partition_count(expected_rows);
+        // Per partition: (rows, wrapping sum of the rows' checksum words).
+        let mut source: Vec<(u64, u64)> = vec![(0, 0); count as usize];
+        let mut target: Vec<(u64, u64)> = vec![(0, 0); count as usize];
         self.read_source(range, |r| {
-            let e = source.entry(self.partition(&r, count)).or_default();
+            let e = &mut source[self.partition(&r, count) as usize];
             e.0 += 1;
             e.1 = e.1.wrapping_add(self.checksum_word(&r));
         })
         .await?;
         self.read_silver(silver_filter, |r| {
             let n = r.n.max(0) as u64;
-            let e = target.entry(self.partition(&r, count)).or_default();
+            let e = &mut target[self.partition(&r, count) as usize];
             e.0 += n;
             e.1 = e.1.wrapping_add(self.checksum_word(&r).wrapping_mul(n));
         })
         .await?;
-        let all: std::collections::BTreeSet<u64> = source.keys().chain(target.keys()).copied().collect();
-        let mismatched: Vec<(u64, u64)> = all
-            .iter()
-            .filter(|p| source.get(p) != target.get(p))
-            .map(|p| (*p, source.get(p).map_or(0, |e| e.0).max(target.get(p).map_or(0, |e| e.0))))
-            .collect();
-        out.partitions += all.len() as u64;
+        let non_empty = source.iter().zip(&target).filter(|(s, t)| s.0 > 0 || t.0 > 0).count();
+        let mismatched: Vec<(u64, u64)> =
+            source.iter().zip(&target).enumerate().filter(|(_, (s, t))| s != t).map(|(p, (s, t))| (p as u64, s.0.max(t.0))).collect();
+        out.partitions += non_empty as u64;
         out.partitions_mismatched += mismatched.len() as u64;
-        tracing::debug!(?bucket, partitions = count, non_empty = all.len(), mismatched = mismatched.len(), "hash partitions of a tier 2 range");
+        tracing::debug!(?bucket, partitions = count, non_empty, mismatched = mismatched.len(), "hash partitions of a tier 2 range");
         for group in passes(&mismatched, self.bucket_rows) {
             let set: HashSet<u64> = group.into_iter().collect();
             self.pass(bucket, range, silver_filter, Some((count, &set)), out).await?;
@@ -379,12 +383,12 @@ mod tests {
     }
 
     #[test]
-    fn partitions_are_a_power_of_two_about_four_per_bucket_rows() {
-        assert_eq!(partition_count(1_000, 1_000), 4);
-        assert_eq!(partition_count(1_001, 1_000), 8);
-        assert_eq!(partition_count(1_000_000_000, 1_000_000), 4096);
-        assert_eq!(partition_count(u64::MAX / 8, 1), 1 << 20);
-        assert_eq!(partition_count(0, 10), 2);
+    fn partitions_are_a_power_of_two_of_about_64_rows() {
+        assert_eq!(partition_count(6_400), 128);
+        assert_eq!(partition_count(6_401), 128);
+        assert_eq!(partition_count(600), 16);
+        assert_eq!(partition_count(1_000_000_000), 1 << 20);
+        assert_eq!(partition_count(0), 2);
     }
 
     #[test]
