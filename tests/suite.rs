@@ -6,6 +6,8 @@
 
 #[path = "batch_race.rs"]
 mod batch_race;
+#[path = "bench_cli.rs"]
+mod bench_cli;
 #[path = "change_order.rs"]
 mod change_order;
 #[path = "cli.rs"]

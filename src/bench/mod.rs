@@ -93,7 +93,7 @@ async fn parent(a: &SnapshotBenchArgs) -> StepResult<Value> {
     }
     let tmp = std::env::temp_dir().join(format!("mssql-cdc-bench-{}", std::process::id()));
     let base = a.dir.clone().unwrap_or_else(|| tmp.clone());
-    let exe = std::env::current_exe().map_err(|e| StepError::Internal(format!("cannot find this program: {e}")))?;
+    let exe = this_program()?;
     // `glibc_as_shipped`: the child runs on the C library's malloc with its
     // own default arena limit (eight per core on 64-bit), the comparison the
     // default allocator is chosen by (`crate::alloc`). Otherwise both
@@ -108,23 +108,13 @@ async fn parent(a: &SnapshotBenchArgs) -> StepResult<Value> {
         } else {
             cmd.env_remove(crate::alloc::ALLOCATOR_VAR).env_remove(crate::alloc::ARENA_VAR);
         }
-        let out = cmd
-            .args(["bench", "snapshot", "--child", mode])
+        cmd.args(["bench", "snapshot", "--child", mode])
             .args(["--rows", &rows.to_string(), "--connections", &a.connections.to_string()])
             .args(["--rows-per-s", &a.rows_per_s.to_string(), "--latency-ms", &a.latency_ms.to_string()])
             .args(["--chunk-rows", &chunk_rows.to_string(), "--target-wave-seconds", &a.target_wave_seconds.to_string()])
             .arg("--dir")
-            .arg(&dir)
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .map_err(|e| StepError::Internal(format!("cannot run the bench child: {e}")))?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        let last = text.lines().last().unwrap_or("");
-        let v: Value = serde_json::from_str(last).map_err(|e| StepError::Internal(format!("bench child printed no JSON ({e}): {text}")))?;
-        if !out.status.success() {
-            return Err(StepError::Internal(format!("bench child failed: {v}")));
-        }
-        Ok(v)
+            .arg(&dir);
+        child_json(cmd, mode)
     };
     let both = run_child(a.rows, "both", false, base.join("both"))?;
     let mem = run_child(a.rows, "chunked", false, base.join("mem1"))?;
@@ -179,6 +169,29 @@ async fn parent(a: &SnapshotBenchArgs) -> StepResult<Value> {
         },
         "default_over_glibc_as_shipped_peak_rss_10x": ratio(&mem10, &sys10),
     }))
+}
+
+/// This program's path, to run its bench children.
+fn this_program() -> StepResult<PathBuf> {
+    std::env::current_exe().map_err(|e| StepError::Internal(format!("cannot find this program: {e}")))
+}
+
+/// Runs `cmd` (this program with a bench's `--child` arguments) with its
+/// stderr passed through, and returns the JSON object it printed last. A
+/// child that exits non-zero fails the bench with what it printed, so no
+/// figure comes from a run that failed; `what` names the child in errors.
+fn child_json(mut cmd: std::process::Command, what: &str) -> StepResult<Value> {
+    let out = cmd
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| StepError::Internal(format!("cannot run the bench child {what}: {e}")))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(text.lines().last().unwrap_or(""))
+        .map_err(|e| StepError::Internal(format!("bench child {what} printed no JSON ({e}): {text}")))?;
+    if !out.status.success() {
+        return Err(StepError::Internal(format!("bench child {what} failed: {v}")));
+    }
+    Ok(v)
 }
 
 /// The process's peak resident set (Linux VmHWM), in bytes.

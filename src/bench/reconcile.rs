@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::peak_rss_bytes;
+use super::{child_json, peak_rss_bytes, this_program};
 use crate::delta;
 use crate::engine::{self, Context};
 use crate::error::{StepError, StepResult};
@@ -66,24 +66,15 @@ async fn parent(a: &ReconcileBenchArgs) -> StepResult<Value> {
     }
     let tmp = std::env::temp_dir().join(format!("mssql-cdc-bench-reconcile-{}", std::process::id()));
     let base = a.dir.clone().unwrap_or_else(|| tmp.clone());
-    let exe = std::env::current_exe().map_err(|e| StepError::Internal(format!("cannot find this program: {e}")))?;
+    let exe = this_program()?;
     let phase = |key: &str, rows: u64, p: &str, dir: &Path| -> StepResult<Value> {
         tracing::info!(key, rows, phase = p, "bench reconcile phase starting");
-        let out = std::process::Command::new(&exe)
-            .args(["bench", "reconcile", "--child", p, "--key", key, "--rows", &rows.to_string()])
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.args(["bench", "reconcile", "--child", p, "--key", key, "--rows", &rows.to_string()])
             .args(["--bucket-rows", &a.bucket_rows.to_string(), "--damage-every", &a.damage_every.to_string()])
             .arg("--dir")
-            .arg(dir)
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .map_err(|e| StepError::Internal(format!("cannot run the bench child: {e}")))?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        let v: Value = serde_json::from_str(text.lines().last().unwrap_or(""))
-            .map_err(|e| StepError::Internal(format!("bench child printed no JSON ({e}): {text}")))?;
-        if !out.status.success() {
-            return Err(StepError::Internal(format!("bench child {p} failed: {v}")));
-        }
-        Ok(v)
+            .arg(dir);
+        child_json(cmd, p)
     };
     let mut runs = Vec::new();
     let mut summary = serde_json::Map::new();
