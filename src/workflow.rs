@@ -30,6 +30,8 @@ pub struct Workflow {
     #[serde(default)]
     pub snapshot: SnapshotOptions,
     #[serde(default)]
+    pub apply: ApplyOptions,
+    #[serde(default)]
     pub reconcile: ReconcileOptions,
     /// Where the file was read from (not part of the file).
     #[serde(skip)]
@@ -213,6 +215,28 @@ impl Default for SnapshotOptions {
     }
 }
 
+/// Options of the `apply` step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ApplyOptions {
+    /// The most change rows of bronze one MERGE takes (its source, held in
+    /// memory, is the latest row per key of them). An apply that lags the
+    /// stream by more goes on in slices of this many rows, cut where a
+    /// stream batch ends (so never inside a transaction), each with its own
+    /// MERGE and control row. One batch larger than this is one slice:
+    /// `stream.max_batch_rows` bounds it.
+    pub slice_rows: u64,
+    /// A call starts no new slice after this many seconds; it then ends with
+    /// `more: true` and the next call goes on from there. 0: one slice per call.
+    pub max_seconds: u64,
+}
+
+impl Default for ApplyOptions {
+    fn default() -> Self {
+        ApplyOptions { slice_rows: 1_000_000, max_seconds: 600 }
+    }
+}
+
 /// Options of the `reconcile` step.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -330,6 +354,12 @@ impl Workflow {
         }
         if self.reconcile.buckets == 0 || self.reconcile.buckets > 1_000_000 {
             return bad(format!("reconcile.buckets is {}: use 1 to 1000000", self.reconcile.buckets));
+        }
+        if self.apply.slice_rows == 0 {
+            return bad("apply.slice_rows is 0: use at least 1 (the most change rows one MERGE of apply takes; 1000000 by default)".to_string());
+        }
+        if self.apply.max_seconds > 86_400 {
+            return bad(format!("apply.max_seconds is {}: use 0 to 86400 (0: one slice per call)", self.apply.max_seconds));
         }
         if self.reconcile.bucket_rows == 0 {
             return bad("reconcile.bucket_rows is 0: use at least 1 (the most rows of a side tier 2 holds at once; 1000000 by default)".to_string());
@@ -651,6 +681,18 @@ mode = "full"
         for bad in ["on_data_loss = \"ignore\"", "resnapshot_interval_days = -1"] {
             let e = Workflow::parse(&format!("{GOOD}[stream]\n{bad}\n"), Path::new("wf.toml")).unwrap_err();
             assert!(matches!(e, StepError::Config(_)), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn apply_options_default_and_are_checked() {
+        let wf = Workflow::parse(GOOD, Path::new("wf.toml")).unwrap();
+        assert_eq!((wf.apply.slice_rows, wf.apply.max_seconds), (1_000_000, 600));
+        let wf = Workflow::parse(&format!("{GOOD}[apply]\nslice_rows = 5000\nmax_seconds = 0\n"), Path::new("wf.toml")).unwrap();
+        assert_eq!((wf.apply.slice_rows, wf.apply.max_seconds), (5000, 0));
+        for (bad, named) in [("slice_rows = 0", "apply.slice_rows"), ("max_seconds = 100000", "apply.max_seconds"), ("slice_row = 5", "slice_row")] {
+            let e = Workflow::parse(&format!("{GOOD}[apply]\n{bad}\n"), Path::new("wf.toml")).unwrap_err();
+            assert!(matches!(e, StepError::Config(_)) && e.to_string().contains(named), "{bad}: {e}");
         }
     }
 

@@ -11,20 +11,29 @@ mod common;
 use std::process::Command;
 
 use common::last_json;
+use serde_json::Value;
 
-#[test]
-fn bench_reconcile_finds_exactly_the_rows_it_deleted_at_both_scales_within_bucket_rows() {
-    let dir = tempfile::tempdir().unwrap();
-    let bucket_rows: u64 = 200;
+/// Runs `mssql-cdc bench <args> --dir <dir>` and returns its last JSON line,
+/// failing the test (with the child's stderr) unless the bench succeeded.
+fn run_bench(args: &[&str], dir: &std::path::Path) -> Value {
     let out = Command::new(env!("CARGO_BIN_EXE_mssql-cdc"))
-        .args(["bench", "reconcile", "--rows", "400", "--bucket-rows", &bucket_rows.to_string(), "--damage-every", "25", "--keys", "int,string"])
+        .arg("bench")
+        .args(args)
         .arg("--dir")
-        .arg(dir.path())
+        .arg(dir)
         .env("MSSQL_CDC_LOG", "warn")
         .output()
         .unwrap();
     let j = last_json(&out);
     assert!(out.status.success(), "bench failed: {j}\n{}", String::from_utf8_lossy(&out.stderr));
+    j
+}
+
+#[test]
+fn bench_reconcile_finds_exactly_the_rows_it_deleted_at_both_scales_within_bucket_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let bucket_rows: u64 = 200;
+    let j = run_bench(&["reconcile", "--rows", "400", "--bucket-rows", &bucket_rows.to_string(), "--damage-every", "25", "--keys", "int,string"], dir.path());
     let runs = j["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 4, "int and string, each at 400 and 4000 rows: {j}");
     for r in runs {
@@ -58,15 +67,7 @@ fn bench_reconcile_finds_exactly_the_rows_it_deleted_at_both_scales_within_bucke
 fn bench_apply_applies_both_shapes_and_leaves_silver_equal_to_the_source() {
     let dir = tempfile::tempdir().unwrap();
     let (rows, changes) = (2000u64, 300u64);
-    let out = Command::new(env!("CARGO_BIN_EXE_mssql-cdc"))
-        .args(["bench", "apply", "--rows", &rows.to_string(), "--changes", &changes.to_string(), "--shapes", "spread,hot", "--scales", "1"])
-        .arg("--dir")
-        .arg(dir.path())
-        .env("MSSQL_CDC_LOG", "warn")
-        .output()
-        .unwrap();
-    let j = last_json(&out);
-    assert!(out.status.success(), "bench failed: {j}\n{}", String::from_utf8_lossy(&out.stderr));
+    let j = run_bench(&["apply", "--rows", &rows.to_string(), "--changes", &changes.to_string(), "--shapes", "spread,hot", "--scales", "1"], dir.path());
     let runs = j["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 2, "{j}");
     for r in runs {

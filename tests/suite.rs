@@ -4,6 +4,8 @@
 //! type_change::`). Files that arm failpoints in process keep a binary each
 //! (see Cargo.toml).
 
+#[path = "apply_slices.rs"]
+mod apply_slices;
 #[path = "batch_race.rs"]
 mod batch_race;
 #[path = "bench_cli.rs"]

@@ -145,10 +145,6 @@ fn workflow(dir: &Path) -> StepResult<Workflow> {
     Workflow::load(&path)
 }
 
-fn reset_peak() {
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
-}
-
 async fn child(a: &ApplyBenchArgs, phase: &str) -> StepResult<Value> {
     let dir = a.dir.clone().ok_or_else(|| StepError::Config("--child needs --dir".into()))?;
     std::fs::create_dir_all(&dir).map_err(|e| StepError::Config(format!("cannot create {}: {e}", dir.display())))?;
@@ -244,7 +240,7 @@ async fn child(a: &ApplyBenchArgs, phase: &str) -> StepResult<Value> {
         }
         "apply" => {
             let mut ctx = Context::open(workflow(&dir)?).await?;
-            reset_peak();
+            super::reset_peak_rss();
             let t = Instant::now();
             let r = engine::apply::run(&mut ctx).await?;
             let secs = t.elapsed().as_secs_f64();
@@ -254,7 +250,7 @@ async fn child(a: &ApplyBenchArgs, phase: &str) -> StepResult<Value> {
         }
         "reconcile" => {
             let mut ctx = Context::open(workflow(&dir)?).await?;
-            reset_peak();
+            super::reset_peak_rss();
             let t = Instant::now();
             let r = engine::reconcile::run(&mut ctx).await?;
             let secs = t.elapsed().as_secs_f64();
@@ -265,7 +261,7 @@ async fn child(a: &ApplyBenchArgs, phase: &str) -> StepResult<Value> {
         "append" => {
             // The baseline: the same change rows read from bronze and appended to a fresh Delta table.
             let ctx = Context::open(workflow(&dir)?).await?;
-            reset_peak();
+            super::reset_peak_rss();
             let t = Instant::now();
             let schema = ctx.bronze_schema()?;
             let loc = dir.join("append_baseline").to_string_lossy().into_owned();

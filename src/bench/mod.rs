@@ -194,6 +194,13 @@ fn child_json(mut cmd: std::process::Command, what: &str) -> StepResult<Value> {
     Ok(v)
 }
 
+/// Starts the peak resident set over, so the next [`peak_rss_bytes`] is
+/// the peak of what runs from here on, not of the set-up before it (Linux:
+/// writing 5 to clear_refs resets VmHWM; elsewhere this does nothing).
+pub fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
 /// The process's peak resident set (Linux VmHWM), in bytes.
 pub fn peak_rss_bytes() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -236,9 +243,8 @@ async fn child(a: &SnapshotBenchArgs, mode: &str) -> StepResult<Value> {
     rusqlite::Connection::open(dir.join("source.sqlite"))
         .and_then(|c| c.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(())))
         .map_err(|e| StepError::Internal(format!("checkpointing the simulator's log: {e}")))?;
-    // The peak resident set from here on is the snapshot's (Linux: writing 5
-    // to clear_refs resets VmHWM), not the table load's.
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    // The peak resident set from here on is the snapshot's, not the table load's.
+    reset_peak_rss();
     let chunk_rows = a.chunk_rows.unwrap_or((a.rows / 16).max(1));
     let mut out = json!({"rows": a.rows, "chunk_rows": chunk_rows});
     if mode == "both" || mode == "full" {

@@ -160,10 +160,6 @@ fn workflow(dir: &Path, bucket_rows: u64) -> StepResult<Workflow> {
     Workflow::load(&path)
 }
 
-fn reset_peak() {
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
-}
-
 async fn child(a: &ReconcileBenchArgs, phase: &str) -> StepResult<Value> {
     let dir = a.dir.clone().ok_or_else(|| StepError::Config("--child needs --dir".into()))?;
     let key = a.key.clone().ok_or_else(|| StepError::Config("--child needs --key".into()))?;
@@ -212,7 +208,7 @@ async fn child(a: &ReconcileBenchArgs, phase: &str) -> StepResult<Value> {
                 })
             };
             let mut ctx = Context::open(workflow(&dir, a.bucket_rows)?).await?;
-            reset_peak();
+            super::reset_peak_rss();
             let t = Instant::now();
             let r = engine::reconcile::run(&mut ctx).await;
             let secs = t.elapsed().as_secs_f64();

@@ -99,7 +99,7 @@ mod decide;
 pub mod heap;
 mod sql;
 
-pub use self::decide::{decide, decide_with_cleanup, newest_completed, open_chunked, txn_control, txn_merge, waves_in_facts, Action, Decision};
+pub use self::decide::{decide, decide_with_cleanup, next_window_end, newest_completed, SliceLimits, open_chunked, txn_control, txn_merge, waves_in_facts, Action, Decision};
 pub use self::sql::{ident, key_match};
 use self::sql::key_match_between;
 
@@ -145,8 +145,37 @@ pub struct ApplyResult {
     pub repaired: bool,
     /// Rows of bronze the MERGE's source held (latest per key), when it was
     /// collected in memory: every action but a rebuild (which streams) and a
-    /// heap's. What bounds a call's memory, so it is reported.
+    /// heap's. What bounds a call's memory, so it is reported. Over several
+    /// slices: the largest.
     pub source_rows: Option<i64>,
+    /// Slices this call applied (each with its MERGE and control row).
+    pub slices: u32,
+    /// Silver has not caught up with the stream: `apply.max_seconds` ended
+    /// the call between two slices. Call apply again.
+    pub more: bool,
+}
+
+impl ApplyResult {
+    /// This call's result after slice `next` followed it: `next`'s position,
+    /// state and control row, the rows of both, the largest source.
+    fn followed_by(self, next: ApplyResult) -> ApplyResult {
+        let mut waves_applied = self.waves_applied;
+        waves_applied.extend(next.waves_applied.iter().copied());
+        ApplyResult {
+            rows_upserted: self.rows_upserted + next.rows_upserted,
+            rows_deleted: self.rows_deleted + next.rows_deleted,
+            silver_version: next.silver_version.or(self.silver_version),
+            waves_applied,
+            range_deletes: self.range_deletes || next.range_deletes,
+            repaired: self.repaired || next.repaired,
+            source_rows: self.source_rows.max(next.source_rows),
+            slices: self.slices + next.slices,
+            // A slice that found nothing left reports what the last one did.
+            action: if next.seq.is_some() { next.action.clone() } else { self.action.clone() },
+            seq: next.seq.or(self.seq),
+            ..next
+        }
+    }
 }
 
 /// The key columns silver merges on: the capture instance's unique index,
@@ -649,8 +678,31 @@ async fn repair(app: &str, silver_table: &mut DeltaTable, control_table: &mut De
     Ok(true)
 }
 
-/// The `apply` step.
+/// The `apply` step: slices ([`SliceLimits`]) one after another until
+/// silver has caught up with the stream or `apply.max_seconds` has passed
+/// (the result then says `more`). Each slice is a whole apply of its own,
+/// with its MERGE and its control row, so a crash between two slices loses
+/// nothing and the rerun goes on from the last control row.
 pub async fn run(ctx: &mut Context) -> StepResult<ApplyResult> {
+    let started = std::time::Instant::now();
+    let budget = std::time::Duration::from_secs(ctx.workflow.apply.max_seconds);
+    let mut total: Option<ApplyResult> = None;
+    loop {
+        let r = run_one_slice(ctx).await?;
+        let more = r.more;
+        total = Some(match total.take() {
+            None => r,
+            Some(t) => t.followed_by(r),
+        });
+        if !more || started.elapsed() >= budget {
+            break;
+        }
+    }
+    Ok(total.expect("the loop runs once at least"))
+}
+
+/// One slice of [`run`].
+async fn run_one_slice(ctx: &mut Context) -> StepResult<ApplyResult> {
     let mut repaired = false;
     for attempt in 0..3 {
         if let Some(mut result) = run_on_the_streams_instance(ctx, attempt, &mut repaired).await? {
@@ -712,7 +764,10 @@ async fn run_on_the_streams_instance(ctx: &mut Context, attempt: u32, repaired_a
         }
     }
     let min_lsn = ctx.source.min_lsn(&ctx.instance.name).await?;
-    let d = decide_with_cleanup(&app, last.as_ref(), &facts, min_lsn);
+    // A heap's MERGE is not sliced: its changes are netted per row image
+    // over what silver holds (`heap`), not per key.
+    let limits = (!is_heap).then_some(SliceLimits { slice_rows: ctx.workflow.apply.slice_rows });
+    let d = decide_with_cleanup(&app, last.as_ref(), &facts, min_lsn, limits);
     let mut chunks: Vec<ChunkPayload> = Vec::new();
     let mut range_deletes = false;
     if let Action::Waves { snapshot, waves, .. } = &d.action {
@@ -755,6 +810,8 @@ async fn run_on_the_streams_instance(ctx: &mut Context, attempt: u32, repaired_a
         range_deletes,
         repaired,
         source_rows: None,
+        slices: 0,
+        more: false,
     };
     if d.action == Action::Nothing {
         result.action = "nothing".into();
@@ -783,6 +840,8 @@ async fn run_on_the_streams_instance(ctx: &mut Context, attempt: u32, repaired_a
     failpoint!("apply.after_control");
     tracing::info!(seq = row.seq, action = %row.action, upserted = up, deleted = del, applied = ?row.applied_lsn, "silver applied");
     result.seq = Some(row.seq);
+    result.slices = 1;
+    result.more = d.more;
     result.applied_lsn = row.applied_lsn;
     result.rows_upserted = up;
     result.rows_deleted = del;
@@ -807,6 +866,7 @@ fn snapshot_state(row: Option<&ControlRow>) -> &'static str {
 mod tests {
     use super::*;
     use crate::delta::facts::{FactRow, EVENT_BOOTSTRAP, EVENT_RESNAPSHOT};
+    use crate::engine::rules::EVENT_STREAM_START;
 
     fn lsn(n: u128) -> Lsn {
         Lsn::from_u128(n)
@@ -847,6 +907,59 @@ mod tests {
 
     fn chunked_open(gen: i32, s: u128, kind: &str) -> FactRow {
         event(gen, EVENT_SNAPSHOT_OPEN, s, Some(json!({"mode": "chunked", "kind": kind})))
+    }
+
+    fn batch_of(gen: i32, id: i64, to: u128, rows: i64) -> FactRow {
+        FactRow { rows: Some(rows), ..batch(gen, id, to) }
+    }
+
+    #[test]
+    fn a_slice_ends_where_a_batch_ends_within_slice_rows_and_takes_one_batch_at_least() {
+        let facts = vec![batch_of(0, 0, 10, 400), batch_of(0, 1, 20, 400), batch_of(0, 2, 30, 400), batch_of(0, 3, 40, 0), batch_of(0, 4, 50, 5000)];
+        // 400 + 400 fit in 1000, the third batch would not.
+        assert_eq!(decide::next_window_end(&facts, None, lsn(50), 1000), lsn(20));
+        assert_eq!(decide::next_window_end(&facts, Some(lsn(20)), lsn(50), 1000), lsn(40), "an empty batch rides along");
+        // A batch larger than a slice is a slice of its own.
+        assert_eq!(decide::next_window_end(&facts, Some(lsn(40)), lsn(50), 1000), lsn(50));
+        assert_eq!(decide::next_window_end(&facts, None, lsn(50), 10), lsn(10));
+        // Everything fits: the slice is the whole lag.
+        assert_eq!(decide::next_window_end(&facts, None, lsn(50), 1_000_000), lsn(50));
+        // Two generations' batches ending at one LSN count together.
+        let two = vec![batch_of(0, 0, 10, 400), batch_of(1, 0, 10, 400), batch_of(1, 1, 20, 100)];
+        assert_eq!(decide::next_window_end(&two, None, lsn(20), 500), lsn(10));
+    }
+
+    #[test]
+    fn changes_come_in_slices_that_move_the_applied_lsn_and_the_verdict_to_their_end() {
+        let facts = vec![event(0, EVENT_STREAM_START, 5, None), batch_of(0, 0, 10, 400), batch_of(0, 1, 20, 400), batch_of(0, 2, 30, 400)];
+        let limits = Some(decide::SliceLimits { slice_rows: 500 });
+        let mut last: Option<ControlRow> = None;
+        let mut ends = vec![];
+        loop {
+            let d = decide_with_cleanup("a", last.as_ref(), &facts, None, limits);
+            if d.action == Action::Nothing {
+                break;
+            }
+            assert!(matches!(d.action, Action::Changes { after } if after == last.as_ref().and_then(|c| c.applied_lsn)), "{d:?}");
+            assert_eq!(d.next.applied_lsn, d.to, "{d:?}");
+            assert_eq!(d.next.finalized_until, d.to, "no snapshot holds the verdict: {d:?}");
+            assert_eq!(d.more, d.to != Some(lsn(30)), "{d:?}");
+            ends.push(d.to.unwrap());
+            last = Some(d.next);
+        }
+        assert_eq!(ends, vec![lsn(10), lsn(20), lsn(30)]);
+        // Without limits (and with limits the lag fits in) it is one apply.
+        let whole = decide_with_cleanup("a", None, &facts, None, None);
+        assert_eq!((whole.to, whole.more), (Some(lsn(30)), false));
+        assert_eq!(decide_with_cleanup("a", None, &facts, None, Some(decide::SliceLimits { slice_rows: 1200 })).to, Some(lsn(30)));
+    }
+
+    #[test]
+    fn a_held_verdict_stays_where_it_was_while_changes_come_in_slices() {
+        let facts = vec![chunked_open(0, 5, "bootstrap"), batch_of(0, 0, 10, 400), batch_of(0, 1, 20, 400)];
+        let last = control(0, 5, None, Some(5), None, None);
+        let d = decide_with_cleanup("a", Some(&last), &facts, None, Some(decide::SliceLimits { slice_rows: 500 }));
+        assert_eq!((d.to, d.more, d.next.applied_lsn, d.next.finalized_until), (Some(lsn(10)), true, Some(lsn(10)), None), "{d:?}");
     }
 
     #[test]

@@ -4,6 +4,13 @@
 //! last apply, or nothing; and the control row that records it. The txn ids
 //! of its two commits live here too, so `heap` and the step share them
 //! without importing the step.
+//!
+//! Changes are applied in slices ([`SliceLimits`]): an apply that lags the
+//! stream by more than `slice_rows` change rows takes the batches up to that
+//! many rows and leaves the rest to the next slice, so the MERGE's source
+//! (held in memory) follows the slice, not the lag. Any LSN is a safe place
+//! to cut, since a transaction's rows share one `__$start_lsn`; cutting
+//! where a batch ends only makes the facts' row counts exact for the slice.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -37,8 +44,12 @@ pub enum Action {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
     pub action: Action,
-    /// The stream's position: the newest LSN the facts say bronze holds.
+    /// Up to where this apply takes bronze's rows: the stream's position
+    /// (the newest LSN the facts say bronze holds), or a slice's end below it.
     pub to: Option<Lsn>,
+    /// A slice that ends below the stream's position: the next apply (or the
+    /// next turn of this one) has more to take.
+    pub more: bool,
     /// The control row to write once the MERGE is in (metrics filled then).
     pub next: ControlRow,
 }
@@ -87,11 +98,50 @@ pub fn waves_in_facts(facts: &[FactRow], s: Lsn) -> BTreeMap<i64, BTreeSet<i64>>
     out
 }
 
+/// How much one apply takes at once (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SliceLimits {
+    /// The most change rows of one slice (at least one batch, however large).
+    pub slice_rows: u64,
+}
+
+/// Where the slice of changes after `after` (None: from the start) ends:
+/// the last end of a stream batch in (`after`, `to`] such that the batches
+/// ending there hold at most `slice_rows` rows together, and always at
+/// least the first one; `to` when they all fit or no batch ends in the
+/// range. Rows are counted from the facts' batch rows (every generation's:
+/// after a reseed two generations' batches may cover one range, which
+/// only makes a slice smaller than it could be).
+pub fn next_window_end(facts: &[FactRow], after: Option<Lsn>, to: Lsn, slice_rows: u64) -> Lsn {
+    let mut ends: BTreeMap<Lsn, u64> = BTreeMap::new();
+    for r in facts.iter().filter(|r| r.event.is_none() && r.batch_id.is_some()) {
+        let Some(end) = r.max_lsn else { continue };
+        if after.is_some_and(|a| end <= a) || end > to {
+            continue;
+        }
+        *ends.entry(end).or_default() += r.rows.unwrap_or(0).max(0) as u64;
+    }
+    let mut total = 0u64;
+    let mut cut: Option<Lsn> = None;
+    for (end, rows) in ends {
+        total = total.saturating_add(rows);
+        if total > slice_rows {
+            if let Some(c) = cut {
+                return c;
+            }
+            // The first batch alone is larger than a slice: it is the slice.
+            return end;
+        }
+        cut = Some(end);
+    }
+    to
+}
+
 /// Decides what one apply does (pure): from silver's last control row and
 /// this app id's facts rows, not knowing where CDC cleanup is (see
-/// [`decide_with_cleanup`]).
+/// [`decide_with_cleanup`]), taking every change at once.
 pub fn decide(app: &str, last: Option<&ControlRow>, facts: &[FactRow]) -> Decision {
-    decide_with_cleanup(app, last, facts, None)
+    decide_with_cleanup(app, last, facts, None, None)
 }
 
 /// [`decide`] with the capture instance's min LSN. A full snapshot holds
@@ -100,7 +150,12 @@ pub fn decide(app: &str, last: Option<&ControlRow>, facts: &[FactRow]) -> Decisi
 /// `engine::rules::full_holding_mode`: once cleanup has passed its S it
 /// can never complete, and a verdict held for it would stay held forever
 /// while `status`, `seed` and the snapshot steps already count it as dead.
-pub fn decide_with_cleanup(app: &str, last: Option<&ControlRow>, facts: &[FactRow], min_lsn: Option<Lsn>) -> Decision {
+///
+/// With `limits`, changes come in slices ([`next_window_end`]): the
+/// decision's `to`, the control row's applied LSN and (when the verdict is
+/// not held) its `finalized_until` stop at the slice's end, and `more` says
+/// the stream is further on. Waves and rebuilds are not sliced.
+pub fn decide_with_cleanup(app: &str, last: Option<&ControlRow>, facts: &[FactRow], min_lsn: Option<Lsn>, limits: Option<SliceLimits>) -> Decision {
     let st = StreamState::derive(app, facts, None);
     let seq = last.map(|c| c.seq + 1).unwrap_or(0);
     let completed = newest_completed(facts);
@@ -137,12 +192,12 @@ pub fn decide_with_cleanup(app: &str, last: Option<&ControlRow>, facts: &[FactRo
         if let (Some(t), Some(a)) = (to, applied) {
             if t < a {
                 next.action = "position".into();
-                return Decision { action: Action::Nothing, to, next };
+                return Decision { action: Action::Nothing, to, more: false, next };
             }
         }
         next.snapshot_lsn = Some(c);
         next.action = "rebuild".into();
-        return Decision { action: Action::Rebuild { snapshot: c }, to, next };
+        return Decision { action: Action::Rebuild { snapshot: c }, to, more: false, next };
     }
     if let Some(s) = open {
         let done = last.filter(|c| c.open_snapshot_lsn == Some(s)).and_then(|c| c.snapshot_wave);
@@ -155,7 +210,7 @@ pub fn decide_with_cleanup(app: &str, last: Option<&ControlRow>, facts: &[FactRo
             // the chunk rows, the changes after S of their own keys that it
             // has ([`wave_source_sql`]): a chunk row never brings back a key
             // deleted after its stamp.
-            return Decision { action: Action::Waves { snapshot: s, waves, after: applied }, to, next };
+            return Decision { action: Action::Waves { snapshot: s, waves, after: applied }, to, more: false, next };
         }
     }
     match (to, applied) {
@@ -165,19 +220,26 @@ pub fn decide_with_cleanup(app: &str, last: Option<&ControlRow>, facts: &[FactRo
                 c.finalized_until == next.finalized_until && c.open_snapshot_lsn == next.open_snapshot_lsn && c.snapshot_wave == next.snapshot_wave
             });
             if same {
-                Decision { action: Action::Nothing, to, next }
+                Decision { action: Action::Nothing, to, more: false, next }
             } else {
                 // Only the verdict or the open snapshot moved: a control row, no MERGE.
-                Decision { action: Action::Changes { after: Some(a) }, to, next }
+                Decision { action: Action::Changes { after: Some(a) }, to, more: false, next }
             }
         }
         (None, _) => {
             next.action = "position".into();
-            Decision { action: Action::Nothing, to, next }
+            Decision { action: Action::Nothing, to, more: false, next }
         }
-        (Some(_), a) => {
+        (Some(t), a) => {
             next.action = "changes".into();
-            Decision { action: Action::Changes { after: a }, to, next }
+            let end = limits.map_or(t, |l| next_window_end(facts, a, t, l.slice_rows));
+            if end < t {
+                next.applied_lsn = Some(end);
+                if !held {
+                    next.finalized_until = Some(end);
+                }
+            }
+            Decision { action: Action::Changes { after: a }, to: Some(end), more: end < t, next }
         }
     }
 }
