@@ -491,15 +491,23 @@ pub const ROW_GROUP_TARGET_BYTES: usize = 16 * 1024 * 1024;
 /// [`DATA_FILE_TARGET_BYTES`]. Its `flush` gives the `Add` actions for
 /// [`commit_adds`].
 pub fn streaming_writer(table: &DeltaTable) -> StepResult<RecordBatchWriter> {
-    use deltalake::parquet::basic::Compression;
-    use deltalake::parquet::file::properties::WriterProperties;
     let label = table.table_url().to_string();
-    // deltalake's own default is SNAPPY; kept, with the row-group bound added.
-    let properties = WriterProperties::builder().set_compression(Compression::SNAPPY).set_max_row_group_bytes(Some(ROW_GROUP_TARGET_BYTES)).build();
     Ok(RecordBatchWriter::for_table(table)
         .map_err(StepError::delta(&label))?
         .with_target_file_size(DATA_FILE_TARGET_BYTES)
-        .with_writer_properties(properties))
+        .with_writer_properties(bounded_writer_properties()))
+}
+
+/// Parquet writer properties whose open row group is bounded by
+/// [`ROW_GROUP_TARGET_BYTES`]: for every writer of a step, including the
+/// files a MERGE rewrites (deltalake's default closes a row group at
+/// 1,048,576 rows, so a MERGE that rewrites a large silver held that many
+/// rows, encoded, per file it was writing).
+pub fn bounded_writer_properties() -> deltalake::parquet::file::properties::WriterProperties {
+    use deltalake::parquet::basic::Compression;
+    use deltalake::parquet::file::properties::WriterProperties;
+    // deltalake's own default is SNAPPY; kept, with the row-group bound added.
+    WriterProperties::builder().set_compression(Compression::SNAPPY).set_max_row_group_bytes(Some(ROW_GROUP_TARGET_BYTES)).build()
 }
 
 /// Appends batches in ONE commit that also carries `txn` and `metadata`, unless

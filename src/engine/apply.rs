@@ -599,6 +599,7 @@ async fn merge(
         .with_source_alias("source")
         .with_target_alias("target")
         .with_session_state(Arc::new(state))
+        .with_writer_properties(delta::bounded_writer_properties())
         .with_commit_properties(props)
         .when_matched_delete(|del| del.predicate(format!("source._operation IN (1, 3) AND {newer}")))
         .map_err(StepError::delta(&silver_label))?

@@ -540,6 +540,7 @@ pub async fn merge(
         .with_source_alias("source")
         .with_target_alias("target")
         .with_session_state(Arc::new(session.state()))
+        .with_writer_properties(delta::bounded_writer_properties())
         .with_commit_properties(props);
     let insert = |mut i: deltalake::operations::merge::InsertBuilder| {
         for c in columns.iter().map(|c| c.name.as_str()).chain([silver::COUNT, start, ts]) {
