@@ -415,6 +415,58 @@ async fn a_commit_not_yet_harvested_is_a_call_again_and_the_next_run_clears_it()
     assert!(r.clean && r.counts["IN_FLIGHT"] == 0, "{:#}", json(&r));
 }
 
+/// A silver that lost every row: reconcile finds a difference in every row
+/// of the table, more than it holds in memory (10,000), so the rest go to a
+/// temporary file and are read back for the in-flight check and the count.
+/// Every one is counted, keys changed since silver's apply are IN_FLIGHT
+/// though they were found after the first 10,000, and the report keeps
+/// `max_report_rows` of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_difference_is_counted_when_silver_lost_every_row() {
+    let n = 25_000i64;
+    let s = Scenario::new(
+        n,
+        "silver = \"silver\"\n[snapshot]\nbootstrap = true\nmode = \"full\"\n[reconcile]\nsample_fraction = 0.0\nmax_report_rows = 100\ncapture_wait_seconds = 0\n",
+    );
+    s.stream_until_caught_up().await;
+    apply(&s).await;
+    assert!(reconcile(&s).await.clean);
+    let t = delta::open_existing(&silver_loc(&s), &Default::default()).await.unwrap().unwrap();
+    let (_t, m) = t.delete().await.unwrap();
+    assert_eq!(m.num_deleted_rows, Some(n as usize), "every silver row is deleted behind the engine's back");
+    // The five highest keys change at the source and are streamed, not applied.
+    let table = s.table.clone();
+    s.db.transaction(|tx| {
+        for i in n - 4..=n {
+            tx.update(&table, &vec![SqlValue::Int(i)], common::item_row(i, 1))?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    s.db.advance_clock(std::time::Duration::from_secs(2)).unwrap();
+    common::settle(&s.db);
+    s.stream_until_caught_up().await;
+    let r = reconcile(&s).await;
+    let j = json(&r);
+    assert!(!r.clean, "{j:#}");
+    assert_eq!((r.counts["MISSING_TARGET"], r.counts["IN_FLIGHT"], r.differences), (n as u64 - 5, 5, n as u64 - 5), "{j:#}");
+    assert_eq!(r.differences_spilled, n as u64 - 10_000, "all but the first 10,000 went to disk: {j:#}");
+    // The report: its summary row and max_report_rows of the differences, not all of them.
+    let report = delta::open_existing(&s.workflow().reconcile_location().unwrap(), &Default::default()).await.unwrap().unwrap();
+    let rows = delta::query(&report, &format!("SELECT class, COUNT(*) AS n FROM t WHERE run = {} GROUP BY class ORDER BY class", r.run)).await.unwrap();
+    let mut by_class: Vec<(String, i64)> = Vec::new();
+    for b in &rows {
+        let b = delta::plain_types(b).unwrap();
+        for i in 0..b.num_rows() {
+            let SqlValue::Str(class) = value_at(b.column(0).as_ref(), i, &SqlType::VarChar { len: None }) else { panic!("a class is text") };
+            let count = value_at(b.column(1).as_ref(), i, &SqlType::BigInt).as_i64().unwrap();
+            by_class.push((class, count));
+        }
+    }
+    // The five in flight were found last: the kept hundred are all missing.
+    assert_eq!(by_class, vec![("MISSING_TARGET".to_string(), 100), ("SUMMARY".to_string(), 1)], "a summary and 100 differences");
+}
+
 /// Hooks that, once reconcile has read the server's clock after its source
 /// reads, let the capture job catch up a moment later, while the call waits.
 struct CaptureWhileWaiting(std::path::PathBuf);

@@ -33,7 +33,8 @@ pub struct ReconcileBenchArgs {
     /// reconcile.bucket_rows: the most rows of a side tier 2 holds at once.
     #[arg(long, default_value_t = 50_000)]
     pub bucket_rows: u64,
-    /// One silver row in this many is deleted before the second reconcile.
+    /// One silver row in this many is deleted before the second reconcile
+    /// (1: every row, so differences outnumber what reconcile holds in memory).
     #[arg(long, default_value_t = 1_000)]
     pub damage_every: u64,
     /// Key kinds to measure: `int` (one bigint) and `string` (varchar, nvarchar).
@@ -187,8 +188,10 @@ async fn child(a: &ReconcileBenchArgs, phase: &str) -> StepResult<Value> {
             let ctx = Context::open(workflow(&dir, a.bucket_rows)?).await?;
             let loc = ctx.workflow.silver_location("bench")?;
             let t = delta::open_existing(&loc, &ctx.storage).await?.ok_or_else(|| StepError::Internal("no silver".into()))?;
-            // Every damage_every-th row by its qty and amount (deterministic, spread over every key).
-            let predicate = format!("CAST(amount * 100 AS BIGINT) % {} = 0", a.damage_every * 37);
+            // Every damage_every-th row by its amount (deterministic, spread
+            // over every key); at 1, every row: a silver that lost all, whose
+            // differences outnumber what reconcile holds in memory.
+            let predicate = if a.damage_every == 1 { "TRUE".to_string() } else { format!("CAST(amount * 100 AS BIGINT) % {} = 0", a.damage_every * 37) };
             let (_, m) = t.delete().with_predicate(predicate.as_str()).await.map_err(StepError::delta(&loc))?;
             Ok(json!({"rows_deleted": m.num_deleted_rows.unwrap_or(0), "predicate": predicate}))
         }
@@ -217,7 +220,7 @@ async fn child(a: &ReconcileBenchArgs, phase: &str) -> StepResult<Value> {
             let r = r?;
             Ok(json!({"seconds": secs, "clean": r.clean, "differences": r.differences, "tier1": r.tier1, "buckets": r.buckets,
                       "buckets_compared": r.buckets_compared, "rows_source": r.rows_source, "rows_compared": r.rows_compared,
-                      "passes": r.passes, "rows_held_max": r.rows_held_max, "partitions": r.partitions, "partitions_mismatched": r.partitions_mismatched,
+                      "passes": r.passes, "rows_held_max": r.rows_held_max, "differences_spilled": r.differences_spilled, "partitions": r.partitions, "partitions_mismatched": r.partitions_mismatched,
                       "rows_per_s": r.rows_source as f64 / secs, "peak_rss_bytes": peak_rss_bytes()}))
         }
         other => Err(StepError::Config(format!("unknown bench phase {other}"))),

@@ -99,6 +99,7 @@ use crate::source::{self as src, CaptureInstance, KeyRange, RowFilter, SourceErr
 use crate::types::{as_stored, value_at, ColumnDesc, Key, SqlType, SqlValue};
 
 mod compare;
+mod found;
 mod rows;
 
 pub use rows::{classify, classify_heap, is_difference, key_json, repeated_keys, row_hash, Counts, Difference, Side, CHUNK_ROWS, CHUNK_STAMP, CHUNK_TILING, CLASSES, IN_FLIGHT, MISSING_SOURCE, MISSING_TARGET, RECORD_DIFF, SNAPSHOT_PENDING};
@@ -131,6 +132,9 @@ pub struct ReconcileResult {
     /// The most rows tier 2 held at once, both sides together: what its
     /// memory follows (at most about twice `reconcile.bucket_rows`).
     pub rows_held_max: u64,
+    /// Differences tier 2 wrote to a temporary file past the
+    /// `found::HELD_DIFFERENCES` it holds in memory.
+    pub differences_spilled: u64,
     /// Hash partitions tier 2 summarised in ranges larger than
     /// `bucket_rows`, and those whose count or checksum differed.
     pub partitions: u64,
@@ -872,7 +876,8 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         };
         cmp.range(*bucket, range, &filter, expected, &mut t2).await?;
     }
-    let compare::Tier2 { diffs: mut raw, repeated, rows_compared, passes, rows_held_max, partitions, partitions_mismatched } = t2;
+    let compare::Tier2 { diffs: raw, repeated, rows_compared, passes, rows_held_max, partitions, partitions_mismatched } = t2;
+    let differences_spilled = raw.spilled() + repeated.spilled();
     bar.finish();
     // After the source reads: the server's clock (every transaction they
     // saw ended at or before it), then what the stream has not read yet and
@@ -890,10 +895,19 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
     in_flight.extend(change_table_keys(ctx, &instances, flight_cols, st.position(), source_max, filter, id).await?);
     let facts = state::facts_rows(&ctx.facts, &app).await?;
     let open = open_snapshot(ctx, &facts, &control, if is_heap { &columns } else { &keys }).await?;
-    label_in_flight(&mut raw, &in_flight, is_heap);
-    mark_pending(ctx, &table, open.as_ref(), &mut raw).await?;
-    let mut diffs = raw;
-    let differing = diffs.iter().filter(|d| is_difference(d.class)).count();
+    // First pass over what tier 2 found, one chunk held at a time (`found`):
+    // the keys changed since silver's applied LSN are IN_FLIGHT, the keys of
+    // an open snapshot's unapplied chunks SNAPSHOT_PENDING.
+    let mut labelled = found::Found::default();
+    let mut differing = 0u64;
+    for chunk in raw.into_chunks()? {
+        let mut chunk = chunk?;
+        label_in_flight(&mut chunk, &in_flight, is_heap);
+        mark_pending(ctx, &table, open.as_ref(), &mut chunk).await?;
+        differing += chunk.iter().filter(|d| is_difference(d.class)).count() as u64;
+        labelled.extend(chunk)?;
+    }
+    let mut relabel = false;
     if differing > 0 {
         // The capture job runs seconds behind the writers: a transaction the
         // source reads saw may not be in the change table yet, and its keys
@@ -906,9 +920,9 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
                 let from = source_max.or(st.position());
                 in_flight.extend(change_table_keys(ctx, &instances, flight_cols, from, Some(max), filter, id).await?);
                 source_max = Some(max);
-                label_in_flight(&mut diffs, &in_flight, is_heap);
-                tracing::info!(%max, differing_before = differing, differing = diffs.iter().filter(|d| is_difference(d.class)).count(),
-                               "the capture job has passed the end of the source reads: their keys were checked against its changes");
+                relabel = true;
+                tracing::info!(%max, differing_before = differing,
+                               "the capture job has passed the end of the source reads: their keys are checked against its changes");
             }
             CapturePassed::NotYet { newest } => {
                 return Err(StepError::Temporary(format!(
@@ -922,15 +936,30 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
             }
         }
     }
-    diffs.extend(repeated);
     let (chunk_snapshot, chunks_checked, chunk_diffs) = chunk_checks(ctx, &facts).await?;
-    diffs.extend(chunk_diffs);
 
+    // The last pass counts every difference and keeps the first
+    // `max_report_rows` for the report: counts never come from what is kept.
     let mut counts: BTreeMap<String, u64> = CLASSES.iter().map(|c| (c.to_string(), 0)).collect();
-    for d in &diffs {
+    let mut diffs: Vec<Difference> = Vec::new();
+    let mut tally = |d: Difference| {
         *counts.entry(d.class.to_string()).or_default() += 1;
+        if diffs.len() < opts.max_report_rows.max(20) {
+            diffs.push(d);
+        }
+    };
+    for chunk in labelled.into_chunks()? {
+        let mut chunk = chunk?;
+        if relabel {
+            label_in_flight(&mut chunk, &in_flight, is_heap);
+        }
+        chunk.into_iter().for_each(&mut tally);
     }
-    let differences = diffs.iter().filter(|d| is_difference(d.class)).count() as u64;
+    for chunk in repeated.into_chunks()? {
+        chunk?.into_iter().for_each(&mut tally);
+    }
+    chunk_diffs.into_iter().for_each(&mut tally);
+    let differences = counts.iter().filter(|(c, _)| is_difference(c)).map(|(_, n)| n).sum::<u64>();
     let (open_s, chunks_applied) = open.as_ref().map_or((None, 0), |o| (Some(o.s), o.applied.len()));
     let report_keys: &[ColumnDesc] = if is_heap { &columns } else { &keys };
     let clean = differences == 0;
@@ -947,7 +976,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         class: "SUMMARY".into(),
         detail: Some(json!({"counts": counts, "clean": clean, "tier1": tier1, "buckets": n_buckets, "bucket_width": bucket_width, "buckets_mismatched": n_mismatched,
                             "buckets_compared": ranges.len(), "rows_source": rows_source, "rows_target": rows_target, "rows_compared": rows_compared,
-                            "passes": passes, "rows_held_max": rows_held_max, "partitions": partitions, "partitions_mismatched": partitions_mismatched,
+                            "passes": passes, "rows_held_max": rows_held_max, "differences_spilled": differences_spilled, "partitions": partitions, "partitions_mismatched": partitions_mismatched,
                             "chunk_snapshot": chunk_snapshot, "chunks_checked": chunks_checked,
                             "open_snapshot": open_s, "open_snapshot_chunks_applied": chunks_applied})),
         ..header.clone()
@@ -993,6 +1022,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         rows_compared,
         passes,
         rows_held_max,
+        differences_spilled,
         partitions,
         partitions_mismatched,
         applied_lsn: applied,

@@ -41,7 +41,8 @@ use deltalake::DeltaTable;
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
 
-use super::rows::{self, classify, classify_heap, repeated_keys, row_hash, Counts, Difference, Side};
+use super::found::Found;
+use super::rows::{self, classify, classify_heap, repeated_keys, row_hash, Counts, Side};
 use crate::delta;
 use crate::engine::apply::ident;
 use crate::engine::rebuild::key_text;
@@ -69,10 +70,11 @@ pub(super) struct Compare<'a> {
 /// What tier 2 found and what it cost, over every range.
 #[derive(Debug, Default)]
 pub(super) struct Tier2 {
-    /// Differences with their raw class (no IN_FLIGHT yet).
-    pub diffs: Vec<Difference>,
+    /// Differences with their raw class (no IN_FLIGHT yet), in bounded
+    /// memory (`found`).
+    pub diffs: Found,
     /// Keys met twice on one side: never IN_FLIGHT.
-    pub repeated: Vec<Difference>,
+    pub repeated: Found,
     /// Rows compared row by row: per pass, the larger side's rows held.
     pub rows_compared: u64,
     /// Passes that held rows.
@@ -338,10 +340,10 @@ impl Compare<'_> {
         let none = HashSet::new();
         match (source, target) {
             (Held::Keyed { side: s, repeated: rs, .. }, Held::Keyed { side: t, repeated: rt, .. }) => {
-                out.diffs.extend(classify(&s, &t, &none, bucket));
-                out.repeated.extend(repeated_keys(&rs, &rt, bucket));
+                out.diffs.extend(classify(&s, &t, &none, bucket))?;
+                out.repeated.extend(repeated_keys(&rs, &rt, bucket))?;
             }
-            (Held::Heap { counts: s, .. }, Held::Heap { counts: t, .. }) => out.diffs.extend(classify_heap(&s, &t, &none)),
+            (Held::Heap { counts: s, .. }, Held::Heap { counts: t, .. }) => out.diffs.extend(classify_heap(&s, &t, &none))?,
             _ => unreachable!("both sides are held alike"),
         }
         Ok(())
