@@ -4,7 +4,9 @@
 //! the bench deleted, at 1x and 10x, for both key kinds, and tier 2 held no
 //! more than `bucket_rows` per side even where the table was ten times that.
 //! Apply: both shapes of changes applied, each key's net change counted once,
-//! and silver equal to the source afterwards.
+//! and silver equal to the source afterwards. Snapshot: both modes read
+//! every row at 1x, the chunked one in the chunks it planned, and the 10x
+//! table in both modes too, so each ratio has its two sides.
 
 mod common;
 
@@ -89,4 +91,28 @@ fn bench_apply_applies_both_shapes_and_leaves_silver_equal_to_the_source() {
         let secs = r["apply"]["seconds"].as_f64().unwrap();
         assert!((r["apply_change_rows_per_s"].as_f64().unwrap() - changes as f64 / secs).abs() < 1e-6 * changes as f64 / secs, "{r}");
     }
+}
+
+#[test]
+fn bench_snapshot_reads_every_row_in_both_modes_at_both_scales() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows: u64 = 1_600;
+    let j = run_bench(&["snapshot", "--rows", &rows.to_string(), "--rows-per-s", "200000", "--latency-ms", "1"], dir.path());
+    assert_eq!(j["chunk_rows"].as_u64(), Some(rows / 16), "{j}");
+    for (k, want) in [("full_rows_read", rows), ("chunked_rows_read", rows), ("full_rows_read_10x", 10 * rows), ("chunked_rows_read_10x", 10 * rows)] {
+        assert_eq!(j[k].as_u64(), Some(want), "{k}: {j}");
+    }
+    // The packing never puts more than chunk_rows rows in a chunk, so at
+    // least 16 chunks, and about a slice's worth short of it each, so few more.
+    let chunks = j["chunks"].as_u64().unwrap();
+    assert!((16..=18).contains(&chunks), "{j}");
+    assert!(j["waves"].as_u64().unwrap() >= 1, "{j}");
+    for k in ["full_rows_per_s", "chunked_rows_per_s", "chunked_over_full", "full_rows_per_s_10x", "chunked_rows_per_s_10x", "chunked_over_full_10x"] {
+        let v = j[k].as_f64().unwrap_or(0.0);
+        assert!(v > 0.0 && v.is_finite(), "{k}: {j}");
+    }
+    let chunks_10x = j["chunks_10x"].as_u64().unwrap();
+    assert!((160..=180).contains(&chunks_10x), "the same chunk_rows over ten times the rows: {j}");
+    assert!(j["wave_fixed_seconds_median"].as_f64().unwrap() > 0.0, "{j}");
+    assert!(j["peak_rss_10x_over_1x"].as_f64().unwrap() > 0.0, "{j}");
 }

@@ -132,8 +132,10 @@ pub struct ReconcileResult {
     /// The most rows tier 2 held at once, both sides together: what its
     /// memory follows (at most about twice `reconcile.bucket_rows`).
     pub rows_held_max: u64,
-    /// Differences tier 2 wrote to a temporary file past the
-    /// `found::HELD_DIFFERENCES` it holds in memory.
+    /// Difference records written to a temporary file past the
+    /// `found::HELD_DIFFERENCES` held in memory: those tier 2 found, then
+    /// their labelled copy (IN_FLIGHT, SNAPSHOT_PENDING), so what the disk
+    /// held at most is about twice this many times a record's size.
     pub differences_spilled: u64,
     /// Hash partitions tier 2 summarised in ranges larger than
     /// `bucket_rows`, and those whose count or checksum differed.
@@ -877,7 +879,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
         cmp.range(*bucket, range, &filter, expected, &mut t2).await?;
     }
     let compare::Tier2 { diffs: raw, repeated, rows_compared, passes, rows_held_max, partitions, partitions_mismatched } = t2;
-    let differences_spilled = raw.spilled() + repeated.spilled();
+    let mut differences_spilled = raw.spilled() + repeated.spilled();
     bar.finish();
     // After the source reads: the server's clock (every transaction they
     // saw ended at or before it), then what the stream has not read yet and
@@ -936,6 +938,7 @@ pub async fn run(ctx: &mut Context) -> StepResult<ReconcileResult> {
             }
         }
     }
+    differences_spilled += labelled.spilled();
     let (chunk_snapshot, chunks_checked, chunk_diffs) = chunk_checks(ctx, &facts).await?;
 
     // The last pass counts every difference and keeps the first

@@ -44,7 +44,7 @@ use super::sql::{self, KeyCol, LocalConversion, ReadColumn, Statement};
 use super::windows_zones::{iana_to_windows, windows_to_iana};
 use crate::lsn::Lsn;
 use crate::source::{
-    BatchStream, CaptureInstance, CdcSource, ChangeBatchBuilder, Isolation, KeyRange, RowFilter, ServerZone, SnapshotRead, FencedRead,
+    BatchStream, CaptureInstance, CdcSource, ChangeBatchBuilder, Isolation, KeyRange, RowFilter, ServerZone, SnapshotRead, FencedRead, ReadThenMaxLsn,
     SourceError, SourceSecrets, TableInfo, TableName, TimeOp, ZoneKind,
 };
 use crate::types::{BatchBuilder, ColumnDesc, Key, SqlType, SqlValue};
@@ -538,8 +538,17 @@ struct StreamPlan {
     ctx: Ctx,
     sink: Sink,
     batch_rows: usize,
-    /// A fenced read's fence: the one row of the statement's second result set.
-    fence: Option<oneshot::Sender<Result<chrono::NaiveDateTime, SourceError>>>,
+    /// What the one row of the statement's second result set holds, if it has one.
+    trailer: Trailer,
+}
+
+/// The one-row result set some reads send after their rows.
+enum Trailer {
+    None,
+    /// A fenced read's fence (`sql::snapshot_read_fenced`), read under its lock after the rows.
+    Fence(oneshot::Sender<Result<chrono::NaiveDateTime, SourceError>>),
+    /// The max LSN read after the rows (`sql::snapshot_read_then_max_lsn`).
+    MaxLsn(oneshot::Sender<Result<Option<Lsn>, SourceError>>),
 }
 
 type Ready = oneshot::Sender<Result<(), SourceError>>;
@@ -571,11 +580,17 @@ async fn stream_attempt(conn: &mut Conn, plan: &mut StreamPlan, ready: &mut Opti
             }
         }
         if row.result_index() > 0 {
-            // A fenced read's fence (sql::snapshot_read_fenced), read under its lock after the rows.
-            let fence: Option<chrono::NaiveDateTime> = row.try_get(0).map_err(|e| (Fail::Tds(e), true))?;
-            let fence = fence.ok_or_else(|| (Fail::Source(SourceError::Other("the fenced read's SYSDATETIME() was NULL".into())), true))?;
-            if let Some(tx) = plan.fence.take() {
-                let _ = tx.send(Ok(fence));
+            match std::mem::replace(&mut plan.trailer, Trailer::None) {
+                Trailer::Fence(tx) => {
+                    let fence: Option<chrono::NaiveDateTime> = row.try_get(0).map_err(|e| (Fail::Tds(e), true))?;
+                    let fence = fence.ok_or_else(|| (Fail::Source(SourceError::Other("the fenced read's SYSDATETIME() was NULL".into())), true))?;
+                    let _ = tx.send(Ok(fence));
+                }
+                Trailer::MaxLsn(tx) => {
+                    let lsn = convert::row_lsn(&row, 0, false).map_err(|e| (Fail::Source(e), true))?;
+                    let _ = tx.send(Ok(lsn));
+                }
+                Trailer::None => {}
             }
             continue;
         }
@@ -771,8 +786,9 @@ impl MssqlSource {
         })
     }
 
-    /// A snapshot read (see [`CdcSource::snapshot_read`]), fenced when `fence` is given.
-    async fn table_read(&self, read: &SnapshotRead, fence: Option<oneshot::Sender<Result<chrono::NaiveDateTime, SourceError>>>) -> Result<BatchStream, SourceError> {
+    /// A snapshot read (see [`CdcSource::snapshot_read`]), fenced or followed
+    /// by the max LSN as `trailer` asks.
+    async fn table_read(&self, read: &SnapshotRead, trailer: Trailer) -> Result<BatchStream, SourceError> {
         let info = self.table_info(&read.table).await?;
         let columns: Vec<ReadColumn> = read
             .columns
@@ -791,21 +807,22 @@ impl MssqlSource {
                     .ok_or_else(|| SourceError::Config(format!("key column '{k}' is not a column of {}", read.table)))
             })
             .collect::<Result<_, _>>()?;
-        let stmt = if fence.is_some() {
-            sql::snapshot_read_fenced(&read.table, &columns, &keys, &read.range, crate::source::FENCE_GUARD_MS)
-        } else {
-            sql::snapshot_read(&read.table, &columns, &keys, &read.range)
+        let fenced = matches!(trailer, Trailer::Fence(_));
+        let stmt = match trailer {
+            Trailer::Fence(_) => sql::snapshot_read_fenced(&read.table, &columns, &keys, &read.range, crate::source::FENCE_GUARD_MS),
+            Trailer::MaxLsn(_) => sql::snapshot_read_then_max_lsn(&read.table, &columns, &keys, &read.range),
+            Trailer::None => sql::snapshot_read(&read.table, &columns, &keys, &read.range),
         }
         .map_err(SourceError::Config)?;
         self.open_stream(StreamPlan {
             statement: stmt,
             // A fenced read is a locking read by its hints; it runs at READ
             // COMMITTED so that no SNAPSHOT session's row versions play a part.
-            isolation: if fence.is_some() { Isolation::ReadCommitted } else { read.isolation },
+            isolation: if fenced { Isolation::ReadCommitted } else { read.isolation },
             ctx: self.error_context(),
             sink: Sink::Rows { builder: BatchBuilder::new(&read.columns), types: read.columns.iter().map(|c| c.sql_type.clone()).collect() },
             batch_rows: read.batch_rows.max(1),
-            fence,
+            trailer,
         })
         .await
     }
@@ -1097,19 +1114,25 @@ impl CdcSource for MssqlSource {
             },
             sink: Sink::Changes { builder: ChangeBatchBuilder::new(cols), types: cols.iter().map(|c| c.sql_type.clone()).collect() },
             batch_rows: batch_rows.max(1),
-            fence: None,
+            trailer: Trailer::None,
         })
         .await
     }
 
     async fn snapshot_read(&self, read: &SnapshotRead) -> Result<BatchStream, SourceError> {
-        self.table_read(read, None).await
+        self.table_read(read, Trailer::None).await
     }
 
     async fn snapshot_read_fenced(&self, read: &SnapshotRead) -> Result<FencedRead, SourceError> {
         let (tx, fence) = crate::source::fence_channel();
-        let batches = self.table_read(read, Some(tx)).await?;
+        let batches = self.table_read(read, Trailer::Fence(tx)).await?;
         Ok(FencedRead { batches, fence })
+    }
+
+    async fn snapshot_read_then_max_lsn(&self, read: &SnapshotRead) -> Result<ReadThenMaxLsn, SourceError> {
+        let (tx, max_lsn_after) = crate::source::max_lsn_channel();
+        let batches = self.table_read(read, Trailer::MaxLsn(tx)).await?;
+        Ok(ReadThenMaxLsn { batches, max_lsn_after: Some(max_lsn_after) })
     }
 
     async fn key_extent(&self, table: &TableName, keys: &[String], isolation: Isolation) -> Result<Option<(Key, Key)>, SourceError> {

@@ -541,6 +541,18 @@ fn table_read(table: &TableName, columns: &[ReadColumn], keys: &[KeyCol], range:
     Ok(Statement::new(sql, p.0))
 }
 
+/// A snapshot read, then the max LSN (`CdcSource::snapshot_read_then_max_lsn`):
+/// one batch of two statements, so the max LSN costs no round trip of its
+/// own. The batch runs in autocommit: the second SELECT is a statement of
+/// its own, which starts (and, under SNAPSHOT, takes its snapshot) only once
+/// the first has sent its last row, so the LSN it reads is the server's max
+/// LSN after the read, as the chunk window needs.
+pub fn snapshot_read_then_max_lsn(table: &TableName, columns: &[ReadColumn], keys: &[KeyCol], range: &KeyRange) -> Result<Statement, String> {
+    let read = table_read(table, columns, keys, range, "")?;
+    let max = max_lsn();
+    Ok(Statement::new(format!("{}; {};", read.sql, max.sql), read.params))
+}
+
 /// A fenced snapshot read (`CdcSource::snapshot_read_fenced`): one batch
 /// in one transaction. The rows come under `TABLOCK, HOLDLOCK`, a shared lock
 /// on the whole table taken before the first row is read and held to the
@@ -1284,6 +1296,7 @@ mod tests {
         golden("snapshot_first", &snapshot_read(&t, &read, &k1, &r(None, Some(vec![SqlValue::Int(100)]))).unwrap());
         golden("snapshot_middle", &snapshot_read(&t, &read, &k1, &r(Some(vec![SqlValue::Int(100)]), Some(vec![SqlValue::Int(200)]))).unwrap());
         golden("snapshot_last", &snapshot_read(&t, &read, &k1, &r(Some(vec![SqlValue::Int(200)]), None)).unwrap());
+        golden("snapshot_then_max_lsn", &snapshot_read_then_max_lsn(&t, &read, &k1, &r(Some(vec![SqlValue::Int(100)]), Some(vec![SqlValue::Int(200)]))).unwrap());
         golden("snapshot_fenced", &snapshot_read_fenced(&t, &read, &k1, &r(Some(vec![SqlValue::Int(100)]), Some(vec![SqlValue::Int(200)])), 20).unwrap());
         let lo = vec![SqlValue::Str("nord'".into()), SqlValue::Int(7)];
         let hi = vec![SqlValue::Str("süd".into()), SqlValue::Int(-1)];

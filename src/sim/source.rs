@@ -24,7 +24,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::lsn::Lsn;
 use crate::source::{
-    BatchStream, CaptureInstance, CdcSource, ChangeBatchBuilder, ChangeRow, Isolation, KeyRange, RowFilter, ServerZone, SnapshotRead, FencedRead,
+    BatchStream, CaptureInstance, CdcSource, ChangeBatchBuilder, ChangeRow, Isolation, KeyRange, RowFilter, ServerZone, SnapshotRead, FencedRead, ReadThenMaxLsn,
     SourceError, TableInfo, TableName, TimeOp,
 };
 use crate::types::{BatchBuilder, ColumnDesc, Key, SqlValue};
@@ -126,15 +126,16 @@ impl SimSource {
     }
 
 
-    /// A snapshot read's body (see [`CdcSource::snapshot_read`]), fenced when `fence` is given.
-    async fn table_read(&self, read: &SnapshotRead, fence: Option<oneshot::Sender<Result<NaiveDateTime, SourceError>>>) -> Result<BatchStream, SourceError> {
+    /// A snapshot read's body (see [`CdcSource::snapshot_read`]), fenced when
+    /// `fence` is given, followed by the max LSN when `then_max_lsn` is.
+    async fn table_read(&self, read: &SnapshotRead, fence: Option<FenceTx>, then_max_lsn: Option<MaxLsnTx>) -> Result<BatchStream, SourceError> {
         let read = read.clone();
         // A fenced read takes locks whatever the isolation (HOLDLOCK is SERIALIZABLE's locking read).
         let isolation = if fence.is_some() { Isolation::ReadCommitted } else { read.isolation };
         // A locking read waits behind a writer's lock; a SNAPSHOT read reads row versions.
         let locking = (isolation == Isolation::ReadCommitted).then(|| read.table.clone());
         let login = self.login.clone();
-        self.stream_with(FaultOn::Snapshot, read.batch_rows, fence, locking, move |conn, path, cfg, sink| {
+        self.stream_with(FaultOn::Snapshot, read.batch_rows, fence, then_max_lsn, locking, move |conn, path, cfg, sink| {
             check_isolation(cfg, isolation, path)?;
             let g = Guard::load(conn, path, login.as_deref())?;
             let t = self::table(conn, path, &read.table)?;
@@ -177,7 +178,7 @@ impl SimSource {
     where
         F: FnOnce(&Connection, &Path, &SimConfig, &mut Sink) -> Result<(), SourceError> + Send + 'static,
     {
-        self.stream_with(on, batch_rows, None, None, body).await
+        self.stream_with(on, batch_rows, None, None, None, body).await
     }
 
     /// [`SimSource::stream`], optionally fenced: with `fence`, the read runs
@@ -186,12 +187,18 @@ impl SimSource {
     /// writers of every table, not only this one's), and after the last row
     /// the clock passes the guard, the fence is read, and it passes the guard
     /// again, all before the lock is let go. A manual clock is moved by the
-    /// guards (time passes while SQL Server runs `WAITFOR DELAY`).
+    /// guards (time passes while SQL Server runs `WAITFOR DELAY`). With
+    /// `then_max_lsn`, once the read's transaction has ended the same
+    /// connection reads the max LSN, as the second statement of the client's
+    /// batch does (`sql::snapshot_read_then_max_lsn`): the capture job has
+    /// run on while the rows were read, so a due scan runs first, and the
+    /// statement pays no latency of its own (it shares the read's round trip).
     async fn stream_with<F>(
         &self,
         on: FaultOn,
         batch_rows: usize,
-        fence: Option<oneshot::Sender<Result<NaiveDateTime, SourceError>>>,
+        fence: Option<FenceTx>,
+        then_max_lsn: Option<MaxLsnTx>,
         locking: Option<TableName>,
         body: F,
     ) -> Result<BatchStream, SourceError>
@@ -238,6 +245,10 @@ impl SimSource {
                 if let (Some(f), Some(tx)) = (read_fence, fence) {
                     let _ = tx.send(f);
                 }
+                if let (Ok(()), Some(tx)) = (&r, then_max_lsn) {
+                    let lsn = db::capture_if_due(&mut conn, &path).and_then(|_| db::max_lsn(&conn, &path)).map_err(|e| map_err(&path, e));
+                    let _ = tx.send(lsn);
+                }
                 r
             })();
             match res {
@@ -259,6 +270,11 @@ impl SimSource {
         }
     }
 }
+
+/// Where a fenced read sends its fence.
+type FenceTx = oneshot::Sender<Result<NaiveDateTime, SourceError>>;
+/// Where a read followed by the max LSN sends it.
+type MaxLsnTx = oneshot::Sender<Result<Option<Lsn>, SourceError>>;
 
 /// Under a fenced read's lock: the guard, the server-local clock, the guard.
 fn fence_under_lock(conn: &Connection, path: &Path, cfg: &SimConfig) -> Result<NaiveDateTime, SourceError> {
@@ -859,13 +875,19 @@ impl CdcSource for SimSource {
     }
 
     async fn snapshot_read(&self, read: &SnapshotRead) -> Result<BatchStream, SourceError> {
-        self.table_read(read, None).await
+        self.table_read(read, None, None).await
     }
 
     async fn snapshot_read_fenced(&self, read: &SnapshotRead) -> Result<FencedRead, SourceError> {
         let (tx, fence) = crate::source::fence_channel();
-        let batches = self.table_read(read, Some(tx)).await?;
+        let batches = self.table_read(read, Some(tx), None).await?;
         Ok(FencedRead { batches, fence })
+    }
+
+    async fn snapshot_read_then_max_lsn(&self, read: &SnapshotRead) -> Result<ReadThenMaxLsn, SourceError> {
+        let (tx, max_lsn_after) = crate::source::max_lsn_channel();
+        let batches = self.table_read(read, None, Some(tx)).await?;
+        Ok(ReadThenMaxLsn { batches, max_lsn_after: Some(max_lsn_after) })
     }
 
     async fn key_extent(&self, table: &TableName, keys: &[String], isolation: Isolation) -> Result<Option<(Key, Key)>, SourceError> {

@@ -985,3 +985,40 @@ async fn every_read_of_the_tables_rows_waits_behind_a_writers_lock_under_read_co
     assert_eq!(src.key_extent(&t, &id, Isolation::ReadCommitted).await.unwrap(), Some((vec![SqlValue::Int(1)], vec![SqlValue::Int(51)])));
     assert_eq!(src.row_count(&t, Isolation::ReadCommitted).await.unwrap(), 51);
 }
+
+/// The max LSN a read brings back is read once its last row has been read,
+/// not when the read began: a transaction the capture job takes in while
+/// the rows are read is under it. The read is held part-way (its channel is
+/// full) while the clock passes the capture lag; a max LSN read at the
+/// read's start would still be NULL.
+#[tokio::test]
+async fn a_read_then_max_lsn_reads_max_lsn_after_the_last_row() {
+    let mut cfg = manual("2026-03-01T12:00:00Z", 10);
+    cfg.capture_lag_ms = 1000;
+    let (_d, db, src, ci) = setup(cfg, 20);
+    let l1 = db.transaction(|tx| tx.insert(&orders(), order(100, "new"))).unwrap();
+    assert_eq!(src.max_lsn().await.unwrap(), None, "the insert is not captured yet");
+    let read = SnapshotRead {
+        table: orders(),
+        columns: ci.columns.clone(),
+        keys: vec!["id".into()],
+        range: KeyRange::all(),
+        isolation: Isolation::ReadCommitted,
+        batch_rows: 1,
+    };
+    let r = src.snapshot_read_then_max_lsn(&read).await.unwrap();
+    let mut batches = r.batches;
+    let first = batches.next().await.unwrap().unwrap();
+    assert_eq!(first.num_rows(), 1);
+    db.advance_clock(Duration::from_millis(1500)).unwrap();
+    let mut rows = 1;
+    while let Some(b) = batches.next().await {
+        rows += b.unwrap().num_rows();
+    }
+    assert_eq!(rows, 21, "the 20 loaded rows and the insert, committed before the read");
+    let after = r.max_lsn_after.expect("the simulator reads the max LSN after the rows").await.unwrap();
+    assert_eq!(after, Some(l1));
+    // A read that fails brings none.
+    let bad = SnapshotRead { table: TableName::new("dbo", "nope"), ..read };
+    assert!(src.snapshot_read_then_max_lsn(&bad).await.is_err());
+}

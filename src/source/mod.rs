@@ -57,6 +57,28 @@ pub fn fence_channel() -> (tokio::sync::oneshot::Sender<Result<NaiveDateTime, So
     (tx, fut)
 }
 
+/// A snapshot read followed, on the same connection and in the same round
+/// trip, by the server's max LSN ([`CdcSource::snapshot_read_then_max_lsn`]).
+pub struct ReadThenMaxLsn {
+    pub batches: BatchStream,
+    /// `Some` when the source read the max LSN after the rows: it resolves
+    /// once the stream has ended (a read that failed or was dropped has
+    /// none). `None` when the source does not do this; the caller asks
+    /// [`CdcSource::max_lsn`] itself after the read.
+    pub max_lsn_after: Option<futures::future::BoxFuture<'static, Result<Option<Lsn>, SourceError>>>,
+}
+
+/// The max LSN of a [`ReadThenMaxLsn`], delivered by the task that reads it.
+pub fn max_lsn_channel() -> (tokio::sync::oneshot::Sender<Result<Option<Lsn>, SourceError>>, futures::future::BoxFuture<'static, Result<Option<Lsn>, SourceError>>) {
+    use futures::FutureExt;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let fut = async move {
+        rx.await.unwrap_or_else(|_| Err(SourceError::Transient("the read ended before it read the max LSN".into())))
+    }
+    .boxed();
+    (tx, fut)
+}
+
 /// A table's two-part name.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct TableName {
@@ -416,6 +438,17 @@ pub trait CdcSource: Send + Sync {
     /// wait for the read. `fence` resolves once the stream has ended; a read
     /// that failed or was dropped has no fence.
     async fn snapshot_read_fenced(&self, read: &SnapshotRead) -> Result<FencedRead, SourceError>;
+
+    /// The rows [`CdcSource::snapshot_read`] returns, and then, once the last
+    /// row has been read, `sys.fn_cdc_get_max_lsn()` read on the same
+    /// connection in the same batch: an LSN no smaller than any the rows'
+    /// commits carry, so it may end a chunk window (ADR 0028) without a
+    /// round trip of its own. A source that cannot do this returns
+    /// `max_lsn_after: None`, the default, and the caller asks
+    /// [`CdcSource::max_lsn`] after the read.
+    async fn snapshot_read_then_max_lsn(&self, read: &SnapshotRead) -> Result<ReadThenMaxLsn, SourceError> {
+        Ok(ReadThenMaxLsn { batches: self.snapshot_read(read).await?, max_lsn_after: None })
+    }
 
     /// MIN and MAX of the key (compared column by column as ORDER BY does,
     /// ignoring rows with a NULL key column), or None for an empty table.

@@ -392,9 +392,24 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
     while let Some(event) = rx.recv().await {
         match event {
             ReadEvent::WaveStarted { wave, chunks, stamp, stamp_ts, rounds, at } => {
-                waves.insert(wave, WaveAcc { expected: chunks, stamp, stamp_ts, rounds, started: at, chunks: Vec::new(), adds: Vec::new(), rows: 0, ended: at });
+                waves.insert(
+                    wave,
+                    WaveAcc {
+                        expected: chunks,
+                        stamp,
+                        stamp_ts,
+                        rounds,
+                        started: at,
+                        chunks: Vec::new(),
+                        adds: Vec::new(),
+                        rows: 0,
+                        ended: at,
+                        max_lsn_after: None,
+                        every_max_lsn_read: true,
+                    },
+                );
             }
-            ReadEvent::ChunkRead { wave, chunk, rows, read_ms, read_bytes, fence, adds, ended } => {
+            ReadEvent::ChunkRead { wave, chunk, rows, read_ms, read_bytes, fence, max_lsn_after, adds, ended } => {
                 rows_read += rows;
                 bar.inc(1);
                 bar.set_message(format!("· {rows_read} rows read"));
@@ -403,6 +418,8 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
                     acc.adds.extend(adds);
                     acc.ended = acc.ended.max(ended);
                     acc.chunks.push((chunk, rows, read_ms, read_bytes, fence));
+                    acc.every_max_lsn_read &= max_lsn_after.is_some();
+                    acc.max_lsn_after = acc.max_lsn_after.max(max_lsn_after);
                 }
             }
             ReadEvent::Failed(e) => {
@@ -413,7 +430,15 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
         while failure.is_none() && waves.get(&next_commit).is_some_and(|w| w.chunks.len() >= w.expected) {
             let acc = waves.remove(&next_commit).expect("checked above");
             let committed = async {
-                let max_after = ctx.source.max_lsn().await?.unwrap_or(acc.stamp);
+                // The window's end: a max LSN read after every chunk of the
+                // wave was read. The source's max LSN never goes down, so the
+                // largest of those each chunk's read ended with was read after
+                // the last read's rows; a wave with a chunk that brought none
+                // (a heap's fenced reads, a source that cannot) asks now.
+                let max_after = match (acc.every_max_lsn_read, acc.max_lsn_after) {
+                    (true, Some(lsn)) => lsn,
+                    _ => ctx.source.max_lsn().await?.unwrap_or(acc.stamp),
+                };
                 let read = acc.into_wave(next_commit, max_after, coordinator.lock().await.last_chunk);
                 sink.commit(read).await
             }
@@ -490,6 +515,10 @@ struct WaveAcc {
     adds: Vec<deltalake::kernel::Add>,
     rows: i64,
     ended: Instant,
+    /// The largest max LSN a chunk's read ended with.
+    max_lsn_after: Option<Lsn>,
+    /// Whether every chunk so far ended its read with one.
+    every_max_lsn_read: bool,
 }
 
 impl WaveAcc {

@@ -39,7 +39,18 @@ pub(super) enum ReadEvent {
     /// A wave was stamped and its chunks queued.
     WaveStarted { wave: i64, chunks: usize, stamp: Lsn, stamp_ts: Option<DateTime<Utc>>, rounds: u32, at: Instant },
     /// One chunk is read and its data files written.
-    ChunkRead { wave: i64, chunk: PlannedChunk, rows: i64, read_ms: i64, read_bytes: i64, fence: Option<DateTime<Utc>>, adds: Vec<deltalake::kernel::Add>, ended: Instant },
+    ChunkRead {
+        wave: i64,
+        chunk: PlannedChunk,
+        rows: i64,
+        read_ms: i64,
+        read_bytes: i64,
+        fence: Option<DateTime<Utc>>,
+        /// The source's max LSN read right after the chunk's rows, when the source did.
+        max_lsn_after: Option<Lsn>,
+        adds: Vec<deltalake::kernel::Add>,
+        ended: Instant,
+    },
     Failed(StepError),
 }
 
@@ -282,10 +293,20 @@ impl ChunkReader {
                 }
             };
             match self.read_retrying(&item).await {
-                Ok(ChunkReadOutcome { rows, read_ms, read_bytes, fence, adds }) => {
+                Ok(ChunkReadOutcome { rows, read_ms, read_bytes, fence, max_lsn_after, adds }) => {
                     // Before asking for the next chunk: a wave stamped next is sized at this pace.
                     coordinator.lock().await.chunk_read(item.wave, read_ms);
-                    let _ = events.send(ReadEvent::ChunkRead { wave: item.wave, chunk: item.chunk, rows, read_ms, read_bytes, fence, adds, ended: Instant::now() });
+                    let _ = events.send(ReadEvent::ChunkRead {
+                        wave: item.wave,
+                        chunk: item.chunk,
+                        rows,
+                        read_ms,
+                        read_bytes,
+                        fence,
+                        max_lsn_after,
+                        adds,
+                        ended: Instant::now(),
+                    });
                 }
                 Err(e) => {
                     coordinator.lock().await.failed = true;
@@ -341,12 +362,15 @@ impl ChunkReader {
             chunk: Some(item.chunk.chunk),
         };
         // A heap's chunk is read fenced (the lock makes it exact at its
-        // fence: see engine::apply::heap); a keyed table's is not locked.
-        let (mut stream, fence) = if self.fenced {
+        // fence: see engine::apply::heap); a keyed table's is not locked,
+        // and the max LSN that may end its wave's window comes in the same
+        // round trip, after its rows (backfill's commit of the wave).
+        let (mut stream, fence, max_lsn_after) = if self.fenced {
             let f = self.source.snapshot_read_fenced(&read).await?;
-            (f.batches, Some(f.fence))
+            (f.batches, Some(f.fence), None)
         } else {
-            (self.source.snapshot_read(&read).await?, None)
+            let r = self.source.snapshot_read_then_max_lsn(&read).await?;
+            (r.batches, None, r.max_lsn_after)
         };
         let mut rows = 0i64;
         let mut read_bytes = 0i64;
@@ -367,8 +391,12 @@ impl ChunkReader {
             let what = format!("the read of chunk {}", item.chunk.chunk);
             crate::engine::switch::check_after_fenced_read(self.source.as_ref(), &self.base.table, false, on, &what).await?;
         }
+        let max_lsn_after = match max_lsn_after {
+            Some(f) => f.await?,
+            None => None,
+        };
         let adds = writer.flush().await.map_err(StepError::delta(&label))?;
-        Ok(ChunkReadOutcome { rows, read_ms: t0.elapsed().as_millis() as i64, read_bytes, fence, adds })
+        Ok(ChunkReadOutcome { rows, read_ms: t0.elapsed().as_millis() as i64, read_bytes, fence, max_lsn_after, adds })
     }
 }
 
@@ -380,6 +408,8 @@ struct ChunkReadOutcome {
     read_bytes: i64,
     /// A fenced read's fence, in UTC.
     fence: Option<DateTime<Utc>>,
+    /// The max LSN the source read after the rows (None: it did not, or it was NULL).
+    max_lsn_after: Option<Lsn>,
     adds: Vec<deltalake::kernel::Add>,
 }
 
