@@ -221,7 +221,9 @@ impl SimSource {
                 what: on,
             };
             let res = (|| -> Result<(), SourceError> {
+                let call_started = Instant::now();
                 let (mut conn, cfg) = prepare(&path).map_err(|e| map_err(&path, e))?;
+                let prepared_ms = call_started.elapsed().as_millis() as u64;
                 let fault = db::take_fault(&mut conn, &path, on).map_err(|e| map_err(&path, e))?;
                 sink.fault_after = fault.map(|(n, _)| n);
                 sink.fault_error = fault.and_then(|(_, e)| e);
@@ -236,7 +238,10 @@ impl SimSource {
                 }
                 let fenced = fence.is_some();
                 conn.execute_batch(if fenced { "BEGIN IMMEDIATE" } else { "BEGIN DEFERRED" }).ctx(&path).map_err(|e| map_err(&path, e))?;
+                let body_started = Instant::now();
                 let r = body(&conn, &path, &cfg, &mut sink);
+                tracing::debug!(what = ?on, prepared_ms, before_body_ms = (body_started - call_started).as_millis() as u64,
+                                body_ms = body_started.elapsed().as_millis() as u64, rows = sink.sent, "simulator read");
                 let read_fence = match (&r, fenced) {
                     (Ok(()), true) => Some(fence_under_lock(&conn, &path, &cfg)),
                     _ => None,
