@@ -14,7 +14,7 @@ use tokio::sync::Mutex;
 
 use super::open::ensure_bootstrap_open;
 use super::planning::{ensure_plan, keyset_shape, same_columns, SourceKeys};
-use super::reader::{ChunkReader, Coordinator, ReadEvent};
+use super::reader::{ChunkReadOutcome, ChunkReader, Coordinator, ReadEvent};
 use super::tables::{open_plans, payload_of, plan_rows};
 use super::wave::{chunks_from_bronze, refuse_over_stream_gap, GapCheck, Sink, WaveRead};
 use crate::engine::rules::{
@@ -409,7 +409,8 @@ pub async fn backfill(ctx: &mut Context, args: &BackfillArgs) -> StepResult<Back
                     },
                 );
             }
-            ReadEvent::ChunkRead { wave, chunk, rows, read_ms, read_bytes, fence, max_lsn_after, adds, ended } => {
+            ReadEvent::ChunkRead { wave, chunk, outcome, ended } => {
+                let ChunkReadOutcome { rows, read_ms, read_bytes, fence, max_lsn_after, adds } = outcome;
                 rows_read += rows;
                 bar.inc(1);
                 bar.set_message(format!("· {rows_read} rows read"));

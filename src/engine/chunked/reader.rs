@@ -39,18 +39,7 @@ pub(super) enum ReadEvent {
     /// A wave was stamped and its chunks queued.
     WaveStarted { wave: i64, chunks: usize, stamp: Lsn, stamp_ts: Option<DateTime<Utc>>, rounds: u32, at: Instant },
     /// One chunk is read and its data files written.
-    ChunkRead {
-        wave: i64,
-        chunk: PlannedChunk,
-        rows: i64,
-        read_ms: i64,
-        read_bytes: i64,
-        fence: Option<DateTime<Utc>>,
-        /// The source's max LSN read right after the chunk's rows, when the source did.
-        max_lsn_after: Option<Lsn>,
-        adds: Vec<deltalake::kernel::Add>,
-        ended: Instant,
-    },
+    ChunkRead { wave: i64, chunk: PlannedChunk, outcome: ChunkReadOutcome, ended: Instant },
     Failed(StepError),
 }
 
@@ -293,20 +282,10 @@ impl ChunkReader {
                 }
             };
             match self.read_retrying(&item).await {
-                Ok(ChunkReadOutcome { rows, read_ms, read_bytes, fence, max_lsn_after, adds }) => {
+                Ok(outcome) => {
                     // Before asking for the next chunk: a wave stamped next is sized at this pace.
-                    coordinator.lock().await.chunk_read(item.wave, read_ms);
-                    let _ = events.send(ReadEvent::ChunkRead {
-                        wave: item.wave,
-                        chunk: item.chunk,
-                        rows,
-                        read_ms,
-                        read_bytes,
-                        fence,
-                        max_lsn_after,
-                        adds,
-                        ended: Instant::now(),
-                    });
+                    coordinator.lock().await.chunk_read(item.wave, outcome.read_ms);
+                    let _ = events.send(ReadEvent::ChunkRead { wave: item.wave, chunk: item.chunk, outcome, ended: Instant::now() });
                 }
                 Err(e) => {
                     coordinator.lock().await.failed = true;
@@ -402,15 +381,15 @@ impl ChunkReader {
 
 /// What reading one chunk gave: its rows, how long it took, how many bytes
 /// the rows took as read, and the data files they went to.
-struct ChunkReadOutcome {
-    rows: i64,
-    read_ms: i64,
-    read_bytes: i64,
+pub(super) struct ChunkReadOutcome {
+    pub(super) rows: i64,
+    pub(super) read_ms: i64,
+    pub(super) read_bytes: i64,
     /// A fenced read's fence, in UTC.
-    fence: Option<DateTime<Utc>>,
+    pub(super) fence: Option<DateTime<Utc>>,
     /// The max LSN the source read after the rows (None: it did not, or it was NULL).
-    max_lsn_after: Option<Lsn>,
-    adds: Vec<deltalake::kernel::Add>,
+    pub(super) max_lsn_after: Option<Lsn>,
+    pub(super) adds: Vec<deltalake::kernel::Add>,
 }
 
 impl Coordinator {
